@@ -1,0 +1,72 @@
+"""The admission gate of collocated async training.
+
+``pause`` closes the gate and returns once every admitted call has finished; a call that
+arrives while the gate is closed waits (it is never refused) and goes on after ``resume``.
+The harness sees only a slower answer, never the phase switch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+
+class AdmissionGate:
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.in_flight = 0
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    async def enter(self) -> Ticket:
+        """Wait until the gate is open, then count the caller in flight until its ticket
+        is released."""
+        while not self._open.is_set():
+            await self._open.wait()
+        self.in_flight += 1
+        self._idle.clear()
+        return Ticket(self)
+
+    def _leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    @asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        ticket = await self.enter()
+        try:
+            yield
+        finally:
+            ticket.release()
+
+    async def pause(self, timeout_s: float | None = None) -> bool:
+        """Close the gate; True once drained, False if ``timeout_s`` passed first."""
+        self._open.clear()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def resume(self) -> None:
+        self._open.set()
+
+
+class Ticket:
+    """One admitted call; releasing it twice counts once, so every path that ends a call
+    may release it without bookkeeping of who did."""
+
+    def __init__(self, gate: AdmissionGate) -> None:
+        self._gate: AdmissionGate | None = gate
+
+    def release(self) -> None:
+        if self._gate is not None:
+            self._gate._leave()
+            self._gate = None

@@ -1,0 +1,57 @@
+"""``key=value`` command lines for agl's services, read into a dataclass of options.
+
+A bad option ends the program with one line that says what is wrong, never a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, TypeVar, get_type_hints
+
+C = TypeVar("C")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class UsageError(Exception):
+    pass
+
+
+def parse_overrides(config_type: type[C], argv: list[str]) -> C:
+    """The config with each ``key=value`` of ``argv`` applied, values typed by the field."""
+    fields = {f.name: f for f in dataclasses.fields(config_type)}  # type: ignore[arg-type]
+    hints = get_type_hints(config_type)
+    values: dict[str, Any] = {}
+    for arg in argv:
+        key, sep, raw = arg.partition("=")
+        if not sep:
+            raise UsageError(f"expected key=value, got {arg!r}")
+        if key not in fields:
+            raise UsageError(f"unknown option {key!r}; options: {', '.join(fields)}")
+        values[key] = _convert(key, raw, hints[key])
+    return config_type(**values)
+
+
+def _convert(key: str, raw: str, kind: Any) -> Any:
+    try:
+        if kind is bool:
+            if raw.lower() in _TRUE:
+                return True
+            if raw.lower() in _FALSE:
+                return False
+            raise ValueError
+        if kind in (int, float):
+            return kind(raw)
+    except ValueError:
+        raise UsageError(f"option {key}={raw!r} is not a valid {kind.__name__}") from None
+    return raw
+
+
+def parse_or_exit(config_type: type[C], argv: list[str], program: str) -> C:
+    try:
+        return parse_overrides(config_type, argv)
+    except UsageError as error:
+        sys.stderr.write(f"{program}: {error}\n")
+        raise SystemExit(2) from None

@@ -1,0 +1,475 @@
+"""The API Gateway: rollout API, recording proxy and admission gate (DESIGN.md, "Gateway API").
+
+Routes parse bodies with the pydantic records themselves and answer with orjson, so a
+bad input always meets one readable 4xx (never FastAPI's default 500 path) and large
+event payloads are not walked twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import TypeAdapter, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from agl.core.admission import AdmissionGate
+from agl.core.auth import Keyring, Principal, bearer
+from agl.core.errors import ApiError, error_response
+from agl.core.lifecycle import IllegalTransition
+from agl.core.proxy import RecordingProxy
+from agl.core.records import (
+    TERMINAL,
+    Admission,
+    AdmissionIn,
+    EventIn,
+    ModelEndpoint,
+    Rollout,
+    RolloutSpec,
+    Status,
+    StatusPatch,
+)
+from agl.core.store import EventQuery, NotFound, RolloutQuery, Store, open_store
+from agl.core.upstream import RetryPolicy, Upstream
+
+log = logging.getLogger(__name__)
+
+MAX_PAGE = 1000
+MAX_EVENT_PAGE = 10_000
+
+
+@dataclass
+class GatewayConfig:
+    """Options of ``python -m agl.gateway key=value ...``."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    run_dir: str = "runs/gateway"
+    store: str = ""  # a store URL; default: run_dir/gateway.db
+    max_body_mb: float = 32.0
+    upstream_retries: int = 3
+    upstream_backoff_s: float = 0.1
+    upstream_timeout_s: float = 600.0
+    sweep_interval_s: float = 1.0
+    access_log: bool = False
+    log_level: str = "info"
+
+    @property
+    def store_url(self) -> str:
+        return self.store or str(Path(self.run_dir) / "gateway.db")
+
+
+_SPECS = TypeAdapter(list[RolloutSpec])
+_PATCH = TypeAdapter(StatusPatch)
+_EVENTS = TypeAdapter(EventIn | list[EventIn])
+_MODELS = TypeAdapter(list[ModelEndpoint])
+_ADMISSION = TypeAdapter(AdmissionIn)
+
+
+T = TypeVar("T")
+
+
+def _parse(adapter: TypeAdapter[T], body: bytes) -> T:
+    if not body:
+        raise ApiError(400, "request body is empty; it must be JSON")
+    try:
+        return adapter.validate_json(body)
+    except ValidationError as error:
+        raise ApiError(422, _describe(error.errors())) from None
+
+
+def _describe(errors: list[Any]) -> str:
+    parts = []
+    for e in errors[:5]:
+        where = ".".join(str(p) for p in e.get("loc", ())) or "body"
+        parts.append(f"{where}: {e.get('msg')}")
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "invalid request: " + "; ".join(parts) + more
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(
+        orjson.dumps(payload, default=_plain), status_code=status, media_type="application/json"
+    )
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "__dict__"):
+        return vars(value)
+    raise TypeError(f"cannot serialise {type(value).__name__}")
+
+
+class BodyLimit:
+    """ASGI middleware: a body over ``max_bytes`` is refused with 413, whether it
+    announces its length or streams in chunks."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await error_response(413, self._message())(scope, receive, send)
+                return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise ApiError(413, self._message())
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return f"request body is larger than the limit of {self.max_bytes} bytes"
+
+
+class Gateway:
+    """State shared by the routes: store, keys, proxy, admission gate."""
+
+    def __init__(self, store: Store, keyring: Keyring, proxy: RecordingProxy) -> None:
+        self.store = store
+        self.keyring = keyring
+        self.proxy = proxy
+        self.gate = proxy.gate
+
+    # -- auth ----------------------------------------------------------------------
+
+    def principal(self, request: Request) -> Principal:
+        token = bearer(request.headers.get("authorization"))
+        if token is None:
+            raise ApiError(401, "missing 'Authorization: Bearer <token>' header")
+        principal = self.keyring.identify(token)
+        if principal is None:
+            raise ApiError(401, "invalid token")
+        return principal
+
+    def admin(self, request: Request) -> None:
+        if not self.principal(request).admin:
+            raise ApiError(403, "this endpoint needs the admin token")
+
+    def for_attempt(self, request: Request, rollout_id: str, attempt: int) -> Principal:
+        principal = self.principal(request)
+        if not principal.may_act_for(rollout_id, attempt):
+            raise ApiError(
+                403, f"this key is not valid for rollout {rollout_id!r} attempt {attempt}"
+            )
+        return principal
+
+    # -- records -------------------------------------------------------------------
+
+    def rollout_json(self, rollout: Rollout, admin: bool) -> dict[str, Any]:
+        record = vars(rollout).copy()
+        record["attempt_key"] = (
+            self.keyring.attempt_key(rollout.rollout_id, rollout.attempt) if admin else None
+        )
+        return record
+
+    async def rollout(self, rollout_id: str) -> Rollout:
+        rollout = await self.store.get_rollout(rollout_id)
+        if rollout is None:
+            raise ApiError(404, f"rollout {rollout_id!r} does not exist")
+        return rollout
+
+    async def live_attempt(self, rollout_id: str, attempt: int, principal: Principal) -> Rollout:
+        """The rollout, if ``attempt`` may still act: agents only on their current, running
+        attempt; the admin on any attempt that exists."""
+        rollout = await self.rollout(rollout_id)
+        if attempt > rollout.attempt:
+            raise ApiError(
+                404, f"rollout {rollout_id!r} has no attempt {attempt} (current: {rollout.attempt})"
+            )
+        if not principal.admin and (
+            attempt != rollout.attempt or rollout.status is not Status.RUNNING
+        ):
+            raise ApiError(
+                409,
+                f"attempt {attempt} of rollout {rollout_id!r} is not running "
+                f"(rollout is at attempt {rollout.attempt}, {rollout.status})",
+                current=self.rollout_json(rollout, admin=False),
+            )
+        return rollout
+
+    async def patch(self, rollout_id: str, patch: StatusPatch, admin: bool) -> Response:
+        try:
+            rollout = await self.store.patch_rollout(rollout_id, patch, time.time())
+        except NotFound as error:
+            raise ApiError(404, str(error)) from None
+        except IllegalTransition as error:
+            raise ApiError(
+                409, str(error), current=self.rollout_json(error.current, admin)
+            ) from None
+        return _json(self.rollout_json(rollout, admin))
+
+    async def sweep_timeouts(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                for r in await self.store.expire_running(time.time(), "attempt timed out"):
+                    log.info(
+                        "rollout %s attempt %d timed out after %.1f s",
+                        r.rollout_id,
+                        r.attempt,
+                        r.timeout_s or 0.0,
+                    )
+            except Exception:
+                log.exception("timeout sweep failed; retrying next interval")
+
+
+def create_app(config: GatewayConfig, admin_token: str) -> FastAPI:
+    holder: dict[str, Gateway] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = open_store(config.store_url)
+        secret = await store.set_meta_once("secret", secrets.token_hex(32))
+        upstream = Upstream(
+            RetryPolicy(config.upstream_retries, config.upstream_backoff_s),
+            config.upstream_timeout_s,
+        )
+        await upstream.start()
+        proxy = RecordingProxy(store, upstream, AdmissionGate())
+        proxy.router.load(await store.list_models())
+        gateway = Gateway(store, Keyring(admin_token, bytes.fromhex(secret)), proxy)
+        holder["gateway"] = gateway
+        sweeper = asyncio.create_task(gateway.sweep_timeouts(config.sweep_interval_s))
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            await upstream.close()
+            await store.close()
+
+    app = FastAPI(title="agl gateway", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=int(config.max_body_mb * 2**20))
+
+    def gw() -> Gateway:
+        return holder["gateway"]
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, error: ApiError) -> Response:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, error: RequestValidationError) -> Response:
+        return error_response(422, _describe(list(error.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, error: StarletteHTTPException) -> Response:
+        return error_response(error.status_code, str(error.detail))
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return _json({"status": "ok"})
+
+    # -- rollouts ------------------------------------------------------------------
+
+    @app.post("/api/rollouts", openapi_extra=_body(_SPECS))
+    async def create_rollouts(request: Request) -> Response:
+        g = gw()
+        g.admin(request)
+        specs = _parse(_SPECS, await request.body())
+        rollouts = await g.store.create_rollouts(specs, time.time())
+        return _json([g.rollout_json(r, admin=True) for r in rollouts])
+
+    @app.get("/api/rollouts")
+    async def list_rollouts(
+        request: Request,
+        status: str | None = None,
+        mode: str | None = None,
+        group_id: str | None = None,
+        cursor: str | None = None,
+        limit: int = 100,
+    ) -> Response:
+        g = gw()
+        g.admin(request)
+        statuses = _statuses(request.query_params.getlist("status"))
+        if not 1 <= limit <= MAX_PAGE:
+            raise ApiError(422, f"limit must be between 1 and {MAX_PAGE}")
+        query = RolloutQuery(statuses, mode, group_id, _cursor(cursor), limit)
+        rollouts, next_cursor = await g.store.list_rollouts(query)
+        return _json(
+            {
+                "items": [g.rollout_json(r, admin=True) for r in rollouts],
+                "next_cursor": None if next_cursor is None else str(next_cursor),
+            }
+        )
+
+    @app.get("/api/rollouts/{rollout_id}")
+    async def get_rollout(request: Request, rollout_id: str) -> Response:
+        g = gw()
+        principal = g.principal(request)
+        rollout = await g.rollout(rollout_id)
+        if not principal.may_act_for(rollout_id, rollout.attempt):
+            raise ApiError(403, f"this key is not valid for rollout {rollout_id!r}")
+        return _json(g.rollout_json(rollout, principal.admin))
+
+    @app.patch("/api/rollouts/{rollout_id}", openapi_extra=_body(_PATCH))
+    async def patch_rollout(request: Request, rollout_id: str) -> Response:
+        g = gw()
+        g.admin(request)
+        return await g.patch(rollout_id, _parse(_PATCH, await request.body()), admin=True)
+
+    @app.patch("/api/rollouts/{rollout_id}/attempt/{attempt}", openapi_extra=_body(_PATCH))
+    async def patch_attempt(request: Request, rollout_id: str, attempt: int) -> Response:
+        g = gw()
+        principal = g.for_attempt(request, rollout_id, attempt)
+        patch = _parse(_PATCH, await request.body())
+        if patch.attempt not in (None, attempt):
+            raise ApiError(422, f"body names attempt {patch.attempt} but the path {attempt}")
+        if not principal.admin and patch.status not in TERMINAL:
+            raise ApiError(403, "an agent may only set its attempt to succeeded or failed")
+        patch = patch.model_copy(update={"attempt": attempt})
+        return await g.patch(rollout_id, patch, principal.admin)
+
+    # -- events --------------------------------------------------------------------
+
+    @app.post("/api/rollouts/{rollout_id}/attempt/{attempt}/events", openapi_extra=_body(_EVENTS))
+    async def post_events(request: Request, rollout_id: str, attempt: int) -> Response:
+        g = gw()
+        principal = g.for_attempt(request, rollout_id, attempt)
+        body = _parse(_EVENTS, await request.body())
+        await g.live_attempt(rollout_id, attempt, principal)
+        events = await g.store.append_events(
+            rollout_id, attempt, body if isinstance(body, list) else [body], time.time()
+        )
+        return _json(events if isinstance(body, list) else events[0])
+
+    @app.get("/api/rollouts/{rollout_id}/events")
+    async def get_events(
+        request: Request,
+        rollout_id: str,
+        attempt: int | None = None,
+        type: str | None = None,
+        cursor: str | None = None,
+        limit: int = 1000,
+    ) -> Response:
+        g = gw()
+        principal = g.principal(request)
+        rollout = await g.rollout(rollout_id)
+        if not principal.may_act_for(rollout_id, rollout.attempt):
+            raise ApiError(403, f"this key is not valid for rollout {rollout_id!r}")
+        if not 1 <= limit <= MAX_EVENT_PAGE:
+            raise ApiError(422, f"limit must be between 1 and {MAX_EVENT_PAGE}")
+        events = await g.store.list_events(
+            rollout_id, EventQuery(attempt, type, _cursor(cursor), limit)
+        )
+        next_cursor = str(events[-1].sequence) if len(events) == limit else None
+        return _json({"items": events, "next_cursor": next_cursor})
+
+    # -- models and admission ------------------------------------------------------
+
+    @app.post("/api/models", openapi_extra=_body(_MODELS))
+    async def post_models(request: Request) -> Response:
+        g = gw()
+        g.admin(request)
+        await g.store.put_models(_parse(_MODELS, await request.body()))
+        models = await g.store.list_models()
+        g.proxy.router.load(models)
+        return _json([m.model_dump() for m in models])
+
+    @app.get("/api/models")
+    async def get_models(request: Request) -> Response:
+        g = gw()
+        g.admin(request)
+        return _json([m.model_dump() for m in await g.store.list_models()])
+
+    @app.delete("/api/models")
+    async def delete_models(request: Request, model: str | None = None) -> Response:
+        g = gw()
+        g.admin(request)
+        deleted = await g.store.delete_models(model)
+        g.proxy.router.load(await g.store.list_models())
+        return _json({"deleted": deleted})
+
+    @app.post("/api/admission", openapi_extra=_body(_ADMISSION))
+    async def post_admission(request: Request) -> Response:
+        g = gw()
+        g.admin(request)
+        wanted = _parse(_ADMISSION, await request.body())
+        drained = True
+        if wanted.state == "paused":
+            drained = await g.gate.pause(wanted.timeout_s)
+        else:
+            g.gate.resume()
+        return _json(_admission(g.gate, drained).model_dump())
+
+    @app.get("/api/admission")
+    async def get_admission(request: Request) -> Response:
+        g = gw()
+        g.admin(request)
+        return _json(_admission(g.gate, g.gate.in_flight == 0).model_dump())
+
+    # -- proxy ---------------------------------------------------------------------
+
+    @app.post(
+        "/proxy/rollout/{rollout_id}/attempt/{attempt}/mode/{mode}/openai/v1/chat/completions"
+    )
+    async def proxy_chat(request: Request, rollout_id: str, attempt: int, mode: str) -> Response:
+        g = gw()
+        principal = g.for_attempt(request, rollout_id, attempt)
+        rollout = await g.rollout(rollout_id)
+        if rollout.status is not Status.RUNNING or attempt != rollout.attempt:
+            raise ApiError(
+                409,
+                f"attempt {attempt} of rollout {rollout_id!r} is not running "
+                f"(rollout is at attempt {rollout.attempt}, {rollout.status})",
+                current=g.rollout_json(rollout, principal.admin),
+            )
+        if mode != rollout.mode:
+            raise ApiError(
+                400, f"mode {mode!r} in the path does not match the rollout's mode {rollout.mode!r}"
+            )
+        return await g.proxy.chat(rollout_id, attempt, mode, await request.body())
+
+    return app
+
+
+def _admission(gate: AdmissionGate, drained: bool) -> Admission:
+    return Admission(
+        state="paused" if gate.paused else "running", in_flight=gate.in_flight, drained=drained
+    )
+
+
+def _statuses(values: list[str]) -> frozenset[Status]:
+    names = [v for value in values for v in value.split(",") if v]
+    try:
+        return frozenset(Status(n) for n in names)
+    except ValueError:
+        allowed = ", ".join(s.value for s in Status)
+        raise ApiError(422, f"unknown status in {names}; use one of: {allowed}") from None
+
+
+def _cursor(cursor: str | None) -> int:
+    if cursor is None or cursor == "":
+        return 0
+    if not cursor.isdigit():
+        raise ApiError(422, f"cursor {cursor!r} is not one this gateway handed out")
+    return int(cursor)
+
+
+def _body(adapter: TypeAdapter[Any]) -> dict[str, Any]:
+    schema = adapter.json_schema()
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

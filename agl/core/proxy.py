@@ -1,0 +1,351 @@
+"""The recording proxy: forward a harness's chat call, record what the model sampled.
+
+The forwarded request asks the endpoint for vLLM's ``logprobs`` and ``return_token_ids``;
+the answer keeps those for the ``model_request`` event and goes back to the harness as a
+plain OpenAI answer. A call is acknowledged (its last byte sent) only after its event is
+stored, so nothing the harness received is missing from the record.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from agl.core.admission import AdmissionGate, Ticket
+from agl.core.errors import ApiError, error_response
+from agl.core.records import EventIn, ModelEndpoint
+from agl.core.store import Store
+from agl.core.upstream import Upstream, UpstreamUnavailable
+
+log = logging.getLogger(__name__)
+
+MODEL_REQUEST = "model_request"
+MODEL_REQUEST_FAILED = "model_request_failed"
+
+# vLLM's additions to an OpenAI answer; the harness gets the answer without them.
+_EXTRA_TOP = ("prompt_token_ids", "prompt_logprobs", "prompt_text", "kv_transfer_params")
+_EXTRA_CHOICE = ("token_ids",)
+
+
+class Router:
+    """Chooses the endpoint of a call. A rollout sticks to one endpoint (its prefix cache)
+    by rendezvous hashing, which moves few rollouts when endpoints come or go."""
+
+    def __init__(self) -> None:
+        self._by_model: dict[str, list[ModelEndpoint]] = {}
+
+    def load(self, models: list[ModelEndpoint]) -> None:
+        by_model: dict[str, list[ModelEndpoint]] = {}
+        for m in models:
+            by_model.setdefault(m.model, []).append(m)
+        self._by_model = by_model
+
+    def pick(self, model: object, rollout_id: str) -> ModelEndpoint:
+        candidates = self._by_model.get(model) if isinstance(model, str) else None
+        if candidates is None:
+            # Harnesses often hard-code a model name; with one model served, any name is it.
+            if len(self._by_model) != 1:
+                names = ", ".join(sorted(self._by_model)) or "none"
+                raise ApiError(404, f"model {model!r} is not registered (registered: {names})")
+            (candidates,) = self._by_model.values()
+        return max(candidates, key=lambda m: zlib.crc32(f"{rollout_id}|{m.endpoint}".encode()))
+
+
+@dataclass
+class _Choice:
+    """What one choice of a streamed answer added up to."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finish_reason: str | None = None
+
+    def add(self, choice: dict[str, Any]) -> None:
+        self.token_ids.extend(choice.get("token_ids") or ())
+        self.logprobs.extend(_logprobs(choice))
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            self.text.append(delta["content"])
+        for call in delta.get("tool_calls") or ():
+            slot = self.tool_calls.setdefault(
+                call.get("index", 0),
+                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            if call.get("id"):
+                slot["id"] = call["id"]
+            function = call.get("function") or {}
+            slot["function"]["name"] += function.get("name") or ""
+            slot["function"]["arguments"] += function.get("arguments") or ""
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
+
+    def message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text)}
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        return message
+
+
+def _logprobs(choice: dict[str, Any]) -> list[float]:
+    content = (choice.get("logprobs") or {}).get("content") or ()
+    return [entry["logprob"] for entry in content]
+
+
+@dataclass(frozen=True)
+class CallContext:
+    rollout_id: str
+    attempt: int
+    mode: str
+    endpoint: ModelEndpoint
+    request: dict[str, Any]
+    started: float
+
+
+class RecordingProxy:
+    def __init__(self, store: Store, upstream: Upstream, gate: AdmissionGate) -> None:
+        self.store = store
+        self.upstream = upstream
+        self.gate = gate
+        self.router = Router()
+
+    async def chat(self, rollout_id: str, attempt: int, mode: str, body: bytes) -> Response:
+        try:
+            request = orjson.loads(body)
+        except orjson.JSONDecodeError as error:
+            raise ApiError(400, f"request body is not valid JSON: {error}") from None
+        if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
+            raise ApiError(400, "a chat completion needs a JSON object with a 'messages' list")
+        # The endpoint (and so the policy_version recorded) is chosen only once admitted:
+        # a call that waited through a weight update goes to the new weights.
+        ticket = await self.gate.enter()
+        try:
+            endpoint = self.router.pick(request.get("model"), rollout_id)
+            forwarded = {
+                **request,
+                "model": endpoint.model,
+                "logprobs": True,
+                "return_token_ids": True,
+            }
+            call = CallContext(rollout_id, attempt, mode, endpoint, request, time.monotonic())
+            url = endpoint.endpoint.rstrip("/") + "/chat/completions"
+            if request.get("stream"):
+                return await self._stream(call, url, orjson.dumps(forwarded), ticket)
+            return await self._unary(call, url, orjson.dumps(forwarded))
+        finally:
+            if not request.get("stream"):
+                ticket.release()
+
+    async def _unary(self, call: CallContext, url: str, body: bytes) -> Response:
+        try:
+            upstream = await self.upstream.open(url, body)
+        except UpstreamUnavailable as error:
+            return await self._failed(call, 502, f"inference endpoint unreachable: {error}")
+        async with upstream:
+            payload = await upstream.read()
+            if upstream.status != 200:
+                return await self._failed(
+                    call, upstream.status, _upstream_message(payload), body=payload
+                )
+        answer = orjson.loads(payload)
+        prompt_ids = answer.get("prompt_token_ids")
+        await self._record(
+            call,
+            [
+                self._call_data(
+                    call,
+                    prompt_ids,
+                    c.get("token_ids"),
+                    _logprobs(c),
+                    c.get("finish_reason"),
+                    c.get("message") or {},
+                )
+                for c in answer.get("choices") or ()
+            ],
+        )
+        return Response(
+            orjson.dumps(self._for_harness(call, answer)), media_type="application/json"
+        )
+
+    async def _stream(self, call: CallContext, url: str, body: bytes, ticket: Ticket) -> Response:
+        """Relay an event stream. The ticket is released when the response is over, however
+        it ends (finished, upstream broke, harness gone before the first byte)."""
+        try:
+            upstream = await self.upstream.open(url, body)
+        except BaseException as error:
+            ticket.release()
+            if isinstance(error, UpstreamUnavailable):
+                return await self._failed(call, 502, f"inference endpoint unreachable: {error}")
+            raise
+        if upstream.status != 200:
+            async with upstream:
+                payload = await upstream.read()
+            ticket.release()
+            return await self._failed(
+                call, upstream.status, _upstream_message(payload), body=payload
+            )
+
+        async def relay() -> AsyncIterator[bytes]:
+            choices: dict[int, _Choice] = {}
+            prompt_ids: list[int] | None = None
+            finished = False
+            try:
+                async for line in upstream.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        finished = True
+                        break
+                    chunk = orjson.loads(data)
+                    if chunk.get("prompt_token_ids") is not None:
+                        prompt_ids = chunk["prompt_token_ids"]
+                    for c in chunk.get("choices") or ():
+                        choices.setdefault(c.get("index", 0), _Choice()).add(c)
+                    yield b"data: " + orjson.dumps(self._for_harness(call, chunk)) + b"\n\n"
+            except (aiohttp.ClientError, TimeoutError) as error:
+                await self._record_failure(call, 502, f"stream broke: {error!r}")
+                raise
+            if not finished:
+                await self._record_failure(call, 502, "stream ended before [DONE]")
+                return
+            await self._record(
+                call,
+                [
+                    self._call_data(
+                        call, prompt_ids, c.token_ids, c.logprobs, c.finish_reason, c.message()
+                    )
+                    for _, c in sorted(choices.items())
+                ],
+            )
+            yield b"data: [DONE]\n\n"
+
+        def done() -> None:
+            upstream.release()
+            ticket.release()
+
+        return _StreamThenClose(relay(), done)
+
+    def _for_harness(self, call: CallContext, answer: dict[str, Any]) -> dict[str, Any]:
+        for key in _EXTRA_TOP:
+            answer.pop(key, None)
+        keep_logprobs = bool(call.request.get("logprobs"))
+        for choice in answer.get("choices") or ():
+            for key in _EXTRA_CHOICE:
+                choice.pop(key, None)
+            if not keep_logprobs and "logprobs" in choice:
+                choice["logprobs"] = None
+        if isinstance(call.request.get("model"), str):
+            answer["model"] = call.request["model"]
+        return answer
+
+    def _call_data(
+        self,
+        call: CallContext,
+        prompt_ids: list[int] | None,
+        response_ids: list[int] | None,
+        logprobs: list[float],
+        finish_reason: str | None,
+        message: dict[str, Any],
+    ) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "prompt_ids": prompt_ids,
+            "response_ids": response_ids,
+            "logprobs": logprobs,
+            "policy_version": call.endpoint.policy_version,
+            "finish_reason": finish_reason,
+            "messages": call.request["messages"],
+            "response": message.get("content"),
+            "latency_s": time.monotonic() - call.started,
+            "model": call.endpoint.model,
+            "endpoint": call.endpoint.endpoint,
+            "mode": call.mode,
+        }
+        if message.get("tool_calls"):
+            data["tool_calls"] = message["tool_calls"]
+        if call.request.get("tools"):
+            data["tools"] = call.request["tools"]
+        if prompt_ids is None or response_ids is None:
+            log.warning(
+                "endpoint %s returned no token ids; is it vLLM-compatible?", call.endpoint.endpoint
+            )
+        return data
+
+    async def _record(self, call: CallContext, calls: list[dict[str, Any]]) -> None:
+        await self.store.append_events(
+            call.rollout_id,
+            call.attempt,
+            [EventIn.model_construct(event_id=None, type=MODEL_REQUEST, data=d) for d in calls],
+            time.time(),
+        )
+
+    async def _record_failure(self, call: CallContext, status: int, message: str) -> None:
+        data = {
+            "status": status,
+            "error": message,
+            "messages": call.request["messages"],
+            "latency_s": time.monotonic() - call.started,
+            "endpoint": call.endpoint.endpoint,
+            "mode": call.mode,
+        }
+        await self.store.append_events(
+            call.rollout_id,
+            call.attempt,
+            [EventIn.model_construct(event_id=None, type=MODEL_REQUEST_FAILED, data=data)],
+            time.time(),
+        )
+
+    async def _failed(
+        self, call: CallContext, status: int, message: str, body: bytes | None = None
+    ) -> Response:
+        await self._record_failure(call, status, message)
+        if body is not None and _is_json_object(body):
+            return Response(body, status_code=status, media_type="application/json")
+        return error_response(status, message)
+
+
+class _StreamThenClose(StreamingResponse):
+    """An event stream that runs ``on_close`` once the response is over, whether the
+    body was sent, broke off, or never started."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _is_json_object(body: bytes) -> bool:
+    try:
+        return isinstance(orjson.loads(body), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def _upstream_message(body: bytes) -> str:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body[:500].decode(errors="replace")
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in parsed:
+            return str(parsed["message"])
+    return str(parsed)[:500]

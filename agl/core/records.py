@@ -1,0 +1,123 @@
+"""The gateway's records and the rollout state machine (DESIGN.md, "Records").
+
+These pydantic models are the wire format: the gateway validates requests with them and
+the client parses answers into them, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Status(StrEnum):
+    QUEUING = "queuing"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+TERMINAL = frozenset({Status.SUCCEEDED, Status.FAILED})
+
+# Legal moves. failed -> queuing starts the next attempt and is further bounded by
+# max_attempts; queuing -> failed cancels a rollout that never started.
+TRANSITIONS: dict[Status, frozenset[Status]] = {
+    Status.QUEUING: frozenset({Status.RUNNING, Status.FAILED}),
+    Status.RUNNING: frozenset({Status.SUCCEEDED, Status.FAILED}),
+    Status.FAILED: frozenset({Status.QUEUING}),
+    Status.SUCCEEDED: frozenset(),
+}
+
+Mode = Literal["train", "val"]
+
+_ID_PATTERN = r"^[A-Za-z0-9._:\-]{1,200}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RolloutSpec(_Strict):
+    """One element of the body of POST /api/rollouts."""
+
+    rollout_id: str = Field(pattern=_ID_PATTERN)
+    group_id: str = Field(default="", max_length=200)
+    input: Any = None
+    mode: Mode = "train"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    max_attempts: int = Field(default=1, ge=1, le=100)
+    timeout_s: float | None = Field(default=None, gt=0)
+
+
+class Rollout(BaseModel):
+    rollout_id: str
+    group_id: str
+    input: Any
+    mode: Mode
+    metadata: dict[str, Any]
+    max_attempts: int
+    timeout_s: float | None
+    status: Status
+    attempt: int
+    version: int
+    created_at: float
+    updated_at: float
+    started_at: float | None = None
+    ended_at: float | None = None
+    error: str | None = None
+    attempt_key: str | None = None
+
+
+class StatusPatch(_Strict):
+    """Body of PATCH /api/rollouts/{id} and /api/rollouts/{id}/attempt/{attempt}.
+
+    ``attempt`` names the attempt the caller believes is current. It makes a retried
+    re-queue safe: asking to re-queue attempt 1 when attempt 2 already exists is a no-op.
+    """
+
+    status: Status
+    attempt: int | None = Field(default=None, ge=1)
+    error: str | None = Field(default=None, max_length=10_000)
+
+
+class EventIn(_Strict):
+    event_id: str | None = Field(default=None, pattern=_ID_PATTERN)
+    type: str = Field(min_length=1, max_length=100)
+    data: Any = None
+
+
+class Event(BaseModel):
+    rollout_id: str
+    attempt: int
+    event_id: str
+    sequence: int
+    type: str
+    data: Any
+    time: float
+
+
+class ModelEndpoint(_Strict):
+    model: str = Field(min_length=1, max_length=200)
+    endpoint: str = Field(pattern=r"^https?://.+/v1/?$")
+    policy_version: int = 0
+
+
+class AdmissionIn(_Strict):
+    state: Literal["paused", "running"]
+    timeout_s: float | None = Field(default=None, gt=0)
+
+
+class Admission(BaseModel):
+    state: Literal["paused", "running"]
+    in_flight: int
+    drained: bool = True
+
+
+T = TypeVar("T")
+
+
+class Page(BaseModel, Generic[T]):
+    items: list[T]
+    next_cursor: str | None = None

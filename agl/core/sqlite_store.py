@@ -1,0 +1,370 @@
+"""The embedded store: one SQLite file in WAL mode, written with group commit.
+
+Every statement runs on the event loop's thread, so a read-check-write sequence with no
+``await`` between its steps is atomic without locks. Writes of concurrent requests share
+one transaction that commits once per loop iteration; each writer awaits that commit
+before its request is acknowledged. WAL with ``synchronous=NORMAL`` makes a commit
+survive the death of the process (``kill -9``); ``fsync=True`` (``synchronous=FULL``)
+also survives the loss of the machine, at the price of an fsync per group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from agl.core.lifecycle import IllegalTransition, apply_patch
+from agl.core.records import (
+    Event,
+    EventIn,
+    ModelEndpoint,
+    Rollout,
+    RolloutSpec,
+    Status,
+    StatusPatch,
+)
+from agl.core.store import EventQuery, NotFound, RolloutQuery, Store
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS rollouts (
+    seq INTEGER PRIMARY KEY,
+    rollout_id TEXT NOT NULL UNIQUE,
+    group_id TEXT NOT NULL,
+    mode TEXT NOT NULL,
+    status TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    version INTEGER NOT NULL,
+    max_attempts INTEGER NOT NULL,
+    timeout_s REAL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    started_at REAL,
+    ended_at REAL,
+    error TEXT,
+    input BLOB NOT NULL,
+    metadata BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS rollouts_by_status ON rollouts (status, seq);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY,
+    rollout_id TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    event_id TEXT NOT NULL,
+    type TEXT NOT NULL,
+    data BLOB NOT NULL,
+    time REAL NOT NULL,
+    UNIQUE (rollout_id, attempt, event_id)
+);
+CREATE INDEX IF NOT EXISTS events_by_rollout ON events (rollout_id, seq);
+CREATE TABLE IF NOT EXISTS models (
+    model TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    policy_version INTEGER NOT NULL,
+    PRIMARY KEY (model, endpoint)
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+_ROLLOUT_COLUMNS = (
+    "rollout_id, group_id, mode, status, attempt, version, max_attempts, timeout_s, "
+    "created_at, updated_at, started_at, ended_at, error, input, metadata"
+)
+_EVENT_COLUMNS = "rollout_id, attempt, event_id, seq, type, data, time"
+
+
+def _rollout(row: tuple[Any, ...]) -> Rollout:
+    return Rollout.model_construct(
+        rollout_id=row[0],
+        group_id=row[1],
+        mode=row[2],
+        status=Status(row[3]),
+        attempt=row[4],
+        version=row[5],
+        max_attempts=row[6],
+        timeout_s=row[7],
+        created_at=row[8],
+        updated_at=row[9],
+        started_at=row[10],
+        ended_at=row[11],
+        error=row[12],
+        input=orjson.loads(row[13]),
+        metadata=orjson.loads(row[14]),
+        attempt_key=None,
+    )
+
+
+def _event(row: tuple[Any, ...]) -> Event:
+    return Event.model_construct(
+        rollout_id=row[0],
+        attempt=row[1],
+        event_id=row[2],
+        sequence=row[3],
+        type=row[4],
+        data=orjson.loads(row[5]),
+        time=row[6],
+    )
+
+
+class SqliteStore(Store):
+    def __init__(self, path: Path, fsync: bool = False) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.executescript(_SCHEMA)
+        self._in_transaction = False
+        self._commit: asyncio.Future[None] | None = None
+
+    # -- group commit --------------------------------------------------------------
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One operation inside the shared transaction, undone alone if it fails."""
+        if not self._in_transaction:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._in_transaction = True
+        self._db.execute("SAVEPOINT op")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK TO op")
+            self._db.execute("RELEASE op")
+            raise
+        self._db.execute("RELEASE op")
+
+    async def _durable(self) -> None:
+        """Return once the shared transaction holding this caller's writes has committed."""
+        if self._commit is None:
+            loop = asyncio.get_running_loop()
+            self._commit = loop.create_future()
+            loop.call_soon(self._flush)
+        await asyncio.shield(self._commit)
+
+    def _flush(self) -> None:
+        waiter, self._commit = self._commit, None
+        assert waiter is not None
+        try:
+            if self._in_transaction:
+                self._in_transaction = False
+                self._db.execute("COMMIT")
+        except sqlite3.Error as error:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            waiter.set_exception(error)
+        else:
+            waiter.set_result(None)
+
+    # -- rollouts ------------------------------------------------------------------
+
+    async def create_rollouts(self, specs: Sequence[RolloutSpec], now: float) -> list[Rollout]:
+        with self._write() as db:
+            db.executemany(
+                f"INSERT OR IGNORE INTO rollouts ({_ROLLOUT_COLUMNS}) "
+                "VALUES (?, ?, ?, 'queuing', 1, 1, ?, ?, ?, ?, NULL, NULL, NULL, ?, ?)",
+                [
+                    (
+                        s.rollout_id,
+                        s.group_id,
+                        s.mode,
+                        s.max_attempts,
+                        s.timeout_s,
+                        now,
+                        now,
+                        orjson.dumps(s.input),
+                        orjson.dumps(s.metadata),
+                    )
+                    for s in specs
+                ],
+            )
+        await self._durable()
+        found = {r.rollout_id: r for r in self._select_rollouts([s.rollout_id for s in specs])}
+        return [found[s.rollout_id] for s in specs]
+
+    def _select_rollouts(self, ids: list[str]) -> list[Rollout]:
+        out: list[Rollout] = []
+        for start in range(0, len(ids), 500):
+            chunk = ids[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            rows = self._db.execute(
+                f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id IN ({marks})", chunk
+            )
+            out.extend(_rollout(row) for row in rows)
+        return out
+
+    async def get_rollout(self, rollout_id: str) -> Rollout | None:
+        row = self._db.execute(
+            f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+        ).fetchone()
+        return None if row is None else _rollout(row)
+
+    async def list_rollouts(self, query: RolloutQuery) -> tuple[list[Rollout], int | None]:
+        where, args = ["seq > ?"], [query.after]
+        if query.statuses:
+            where.append(f"status IN ({','.join('?' * len(query.statuses))})")
+            args.extend(sorted(query.statuses))
+        if query.mode is not None:
+            where.append("mode = ?")
+            args.append(query.mode)
+        if query.group_id is not None:
+            where.append("group_id = ?")
+            args.append(query.group_id)
+        rows = self._db.execute(
+            f"SELECT {_ROLLOUT_COLUMNS}, seq FROM rollouts WHERE {' AND '.join(where)} "
+            "ORDER BY seq LIMIT ?",
+            [*args, query.limit + 1],
+        ).fetchall()
+        more = len(rows) > query.limit
+        rows = rows[: query.limit]
+        return [_rollout(row) for row in rows], (rows[-1][-1] if more else None)
+
+    async def patch_rollout(self, rollout_id: str, patch: StatusPatch, now: float) -> Rollout:
+        current = await self.get_rollout(rollout_id)
+        if current is None:
+            raise NotFound(f"rollout {rollout_id!r} does not exist")
+        updated = apply_patch(current, patch, now)
+        if updated is None:
+            return current
+        self._save_status(updated)
+        await self._durable()
+        return updated
+
+    def _save_status(self, r: Rollout) -> None:
+        with self._write() as db:
+            db.execute(
+                "UPDATE rollouts SET status = ?, attempt = ?, version = ?, updated_at = ?, "
+                "started_at = ?, ended_at = ?, error = ? WHERE rollout_id = ?",
+                (
+                    r.status.value,
+                    r.attempt,
+                    r.version,
+                    r.updated_at,
+                    r.started_at,
+                    r.ended_at,
+                    r.error,
+                    r.rollout_id,
+                ),
+            )
+
+    async def expire_running(self, now: float, error: str) -> list[Rollout]:
+        rows = self._db.execute(
+            f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE status = 'running' "
+            "AND timeout_s IS NOT NULL AND started_at + timeout_s <= ?",
+            (now,),
+        ).fetchall()
+        expired = []
+        for row in rows:
+            current = _rollout(row)
+            try:
+                updated = apply_patch(current, StatusPatch(status=Status.FAILED, error=error), now)
+            except IllegalTransition:
+                continue
+            if updated is not None:
+                self._save_status(updated)
+                expired.append(updated)
+        if expired:
+            await self._durable()
+        return expired
+
+    # -- events --------------------------------------------------------------------
+
+    async def append_events(
+        self, rollout_id: str, attempt: int, events: Sequence[EventIn], now: float
+    ) -> list[Event]:
+        stored: list[Event] = []
+        with self._write() as db:
+            for e in events:
+                event_id = e.event_id or uuid.uuid4().hex
+                data = orjson.dumps(e.data)
+                cursor = db.execute(
+                    "INSERT OR IGNORE INTO events "
+                    "(rollout_id, attempt, event_id, type, data, time) VALUES (?, ?, ?, ?, ?, ?)",
+                    (rollout_id, attempt, event_id, e.type, data, now),
+                )
+                if cursor.rowcount:
+                    stored.append(
+                        Event.model_construct(
+                            rollout_id=rollout_id,
+                            attempt=attempt,
+                            event_id=event_id,
+                            sequence=cursor.lastrowid,
+                            type=e.type,
+                            data=e.data,
+                            time=now,
+                        )
+                    )
+                else:
+                    row = db.execute(
+                        f"SELECT {_EVENT_COLUMNS} FROM events "
+                        "WHERE rollout_id = ? AND attempt = ? AND event_id = ?",
+                        (rollout_id, attempt, event_id),
+                    ).fetchone()
+                    stored.append(_event(row))
+        await self._durable()
+        return stored
+
+    async def list_events(self, rollout_id: str, query: EventQuery) -> list[Event]:
+        where, args = ["rollout_id = ?", "seq > ?"], [rollout_id, query.after]
+        if query.attempt is not None:
+            where.append("attempt = ?")
+            args.append(query.attempt)
+        if query.type is not None:
+            where.append("type = ?")
+            args.append(query.type)
+        rows = self._db.execute(
+            f"SELECT {_EVENT_COLUMNS} FROM events WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?",
+            [*args, query.limit],
+        )
+        return [_event(row) for row in rows]
+
+    # -- models and meta -----------------------------------------------------------
+
+    async def put_models(self, models: Sequence[ModelEndpoint]) -> None:
+        with self._write() as db:
+            db.executemany(
+                "INSERT INTO models (model, endpoint, policy_version) VALUES (?, ?, ?) "
+                "ON CONFLICT (model, endpoint) "
+                "DO UPDATE SET policy_version = excluded.policy_version",
+                [(m.model, m.endpoint, m.policy_version) for m in models],
+            )
+        await self._durable()
+
+    async def delete_models(self, model: str | None) -> int:
+        with self._write() as db:
+            if model is None:
+                count = db.execute("DELETE FROM models").rowcount
+            else:
+                count = db.execute("DELETE FROM models WHERE model = ?", (model,)).rowcount
+        await self._durable()
+        return count
+
+    async def list_models(self) -> list[ModelEndpoint]:
+        rows = self._db.execute(
+            "SELECT model, endpoint, policy_version FROM models ORDER BY model, endpoint"
+        )
+        return [ModelEndpoint(model=m, endpoint=e, policy_version=v) for m, e, v in rows]
+
+    async def get_meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    async def set_meta_once(self, key: str, value: str) -> str:
+        with self._write() as db:
+            db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (key, value))
+        await self._durable()
+        stored = await self.get_meta(key)
+        assert stored is not None
+        return stored
+
+    async def close(self) -> None:
+        if self._commit is not None:
+            await asyncio.shield(self._commit)
+        self._db.close()

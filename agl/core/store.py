@@ -1,0 +1,113 @@
+"""The gateway's storage interface.
+
+The gateway talks to storage only through :class:`Store`, so another database (a
+PostgreSQL URL) can replace the embedded SQLite file. Contract for every implementation:
+
+- a coroutine that returns has made its writes durable: the gateway acknowledges a
+  request only after the store call returned;
+- creating rollouts and appending events are idempotent by their caller-chosen ids;
+- status changes go through :func:`agl.core.lifecycle.apply_patch` atomically with the
+  read of the current state.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from agl.core.records import (
+    Event,
+    EventIn,
+    ModelEndpoint,
+    Rollout,
+    RolloutSpec,
+    Status,
+    StatusPatch,
+)
+
+
+class NotFound(Exception):
+    """An unknown rollout or attempt."""
+
+
+@dataclass(frozen=True)
+class RolloutQuery:
+    statuses: frozenset[Status] = frozenset()
+    mode: str | None = None
+    group_id: str | None = None
+    after: int = 0
+    limit: int = 100
+
+
+@dataclass(frozen=True)
+class EventQuery:
+    attempt: int | None = None
+    type: str | None = None
+    after: int = 0
+    limit: int = 1000
+
+
+class Store(ABC):
+    @abstractmethod
+    async def create_rollouts(self, specs: Sequence[RolloutSpec], now: float) -> list[Rollout]:
+        """Insert the rollouts whose ids are new; answer all of them as stored."""
+
+    @abstractmethod
+    async def get_rollout(self, rollout_id: str) -> Rollout | None: ...
+
+    @abstractmethod
+    async def list_rollouts(self, query: RolloutQuery) -> tuple[list[Rollout], int | None]:
+        """One page in creation order, and the cursor of the next page (None at the end)."""
+
+    @abstractmethod
+    async def patch_rollout(self, rollout_id: str, patch: StatusPatch, now: float) -> Rollout:
+        """Apply a status change; raises NotFound or IllegalTransition."""
+
+    @abstractmethod
+    async def expire_running(self, now: float, error: str) -> list[Rollout]:
+        """Fail every running rollout whose ``timeout_s`` has passed; answer them."""
+
+    @abstractmethod
+    async def append_events(
+        self, rollout_id: str, attempt: int, events: Sequence[EventIn], now: float
+    ) -> list[Event]:
+        """Append events with ids assigned where missing; a known id is not appended again."""
+
+    @abstractmethod
+    async def list_events(self, rollout_id: str, query: EventQuery) -> list[Event]: ...
+
+    @abstractmethod
+    async def put_models(self, models: Sequence[ModelEndpoint]) -> None:
+        """Register endpoints; registering one again updates its policy_version."""
+
+    @abstractmethod
+    async def delete_models(self, model: str | None) -> int:
+        """Remove the endpoints of ``model`` (all when None); answer how many went."""
+
+    @abstractmethod
+    async def list_models(self) -> list[ModelEndpoint]: ...
+
+    @abstractmethod
+    async def get_meta(self, key: str) -> str | None: ...
+
+    @abstractmethod
+    async def set_meta_once(self, key: str, value: str) -> str:
+        """Store ``value`` unless the key has one already; answer the stored value."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+
+def open_store(url: str) -> Store:
+    """A store from a URL: ``sqlite:///path/to/file.db`` or a plain file path."""
+    if url.startswith("sqlite://"):
+        path = url.removeprefix("sqlite://")
+    elif "://" in url:
+        raise ValueError(f"unsupported store URL {url!r}: use sqlite:///path or a file path")
+    else:
+        path = url
+    from agl.core.sqlite_store import SqliteStore
+
+    return SqliteStore(Path(path))

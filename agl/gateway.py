@@ -1,0 +1,49 @@
+"""``python -m agl.gateway host=127.0.0.1 port=8000 run_dir=runs/gateway``"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from agl.core.auth import load_admin_token
+from agl.core.cli import parse_or_exit
+from agl.core.gateway import GatewayConfig, create_app
+
+log = logging.getLogger("agl.gateway")
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_or_exit(GatewayConfig, sys.argv[1:] if argv is None else argv, "agl.gateway")
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    run_dir = Path(config.run_dir)
+    try:
+        token, source = load_admin_token(run_dir)
+    except OSError as error:
+        sys.stderr.write(f"agl.gateway: cannot set up run_dir {run_dir}: {error}\n")
+        raise SystemExit(2) from None
+    log.info(
+        "gateway on http://%s:%d, store %s, admin token from %s",
+        config.host,
+        config.port,
+        config.store_url,
+        source,
+    )
+    uvicorn.run(
+        create_app(config, token),
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=config.access_log,
+        loop="auto",
+        http="auto",
+        timeout_graceful_shutdown=5,
+    )
+
+
+if __name__ == "__main__":
+    main()

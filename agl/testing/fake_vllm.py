@@ -1,0 +1,298 @@
+"""A vLLM-shaped inference server for tests and benchmarks of the gateway.
+
+It answers ``/v1/chat/completions`` as vLLM does when asked for ``logprobs`` and
+``return_token_ids``: ``prompt_token_ids`` at the top, ``token_ids`` and
+``logprobs.content`` on each choice, the same fields chunk by chunk when streaming.
+Tokens are bytes of a tiny fixed chat template, so tests can predict every id.
+Failures and delays are injected through attributes (in process) or ``POST /control``.
+
+``python -m agl.testing.fake_vllm port=8001`` runs it standalone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+BOS, EOS = 1, 2
+ROLE_IDS = {"system": 3, "user": 4, "assistant": 5, "tool": 6}
+BYTE_OFFSET = 16  # token id of byte b is b + 16
+
+
+def encode(text: str) -> list[int]:
+    return [b + BYTE_OFFSET for b in text.encode()]
+
+
+def prompt_ids(messages: list[dict[str, Any]]) -> list[int]:
+    """The fake chat template: <bos> role content <eos> per message, then <bos> assistant."""
+    ids: list[int] = []
+    for m in messages:
+        content = m.get("content")
+        text = content if isinstance(content, str) else orjson.dumps(content).decode()
+        ids += [BOS, ROLE_IDS.get(m.get("role", "user"), 7), *encode(text), EOS]
+    return [*ids, BOS, ROLE_IDS["assistant"]]
+
+
+def logprob(position: int) -> float:
+    return -0.01 - 0.25 * (position % 5)
+
+
+def reply_for(messages: list[dict[str, Any]]) -> str:
+    """The answer to a conversation: deterministic and different per turn."""
+    last = messages[-1].get("content") if messages else ""
+    return f"turn {len(messages)}: {str(last)[:24]}"
+
+
+@dataclass
+class _Answer:
+    text: str | None
+    tool_calls: list[dict[str, Any]] | None
+    ids: list[int]
+    finish_reason: str
+
+
+class FakeVllm:
+    """The server's state; tests change ``fail_next`` / ``delay_s`` between calls."""
+
+    def __init__(self, model: str = "fake-model") -> None:
+        self.model = model
+        self.fail_next: list[int] = []
+        self.delay_s = 0.0
+        self.stream_break_after: int | None = None
+        self.requests: list[dict[str, Any]] = []
+        self.app = web.Application()
+        self.app.router.add_post("/v1/chat/completions", self.chat)
+        self.app.router.add_post("/control", self.control)
+        self.app.router.add_get("/v1/models", self.models)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model}]})
+
+    async def control(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.fail_next = list(body.get("fail_next", self.fail_next))
+        self.delay_s = float(body.get("delay_s", self.delay_s))
+        return web.json_response({"ok": True})
+
+    def _answer(self, body: dict[str, Any]) -> _Answer:
+        messages = body["messages"]
+        last = str(messages[-1].get("content") or "") if messages else ""
+        tools = body.get("tools") or []
+        if tools and last.startswith("use-tool"):
+            arguments = orjson.dumps({"query": last[8:].strip() or "x"}).decode()
+            name = tools[0]["function"]["name"]
+            call = {
+                "id": f"call_{len(messages)}",
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+            return _Answer(None, [call], [*encode(arguments), EOS], "tool_calls")
+        text = reply_for(messages)
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        if max_tokens is not None and max_tokens < len(text.encode()):
+            text = text.encode()[:max_tokens].decode(errors="ignore")
+            return _Answer(text, None, encode(text), "length")
+        return _Answer(text, None, [*encode(text), EOS], "stop")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        self.requests.append(body)
+        if self.fail_next:
+            status = self.fail_next.pop(0)
+            return web.json_response(
+                {"error": {"message": f"injected failure {status}", "code": status}},
+                status=status,
+            )
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            return web.json_response(
+                {"error": {"message": "messages must be a non-empty list"}}, status=400
+            )
+        answer = self._answer(body)
+        want_ids = bool(body.get("return_token_ids"))
+        want_logprobs = bool(body.get("logprobs"))
+        prompt = prompt_ids(body["messages"])
+        if body.get("stream"):
+            return await self._stream(request, body, answer, prompt, want_ids, want_logprobs)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": answer.text,
+                "tool_calls": answer.tool_calls or [],
+            },
+            "logprobs": {"content": [_logprob_entry(i, t) for i, t in enumerate(answer.ids)]}
+            if want_logprobs
+            else None,
+            "finish_reason": answer.finish_reason,
+            "stop_reason": None,
+        }
+        if want_ids:
+            choice["token_ids"] = answer.ids
+        payload: dict[str, Any] = {
+            "id": f"chatcmpl-{time.monotonic_ns()}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model", self.model),
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(answer.ids),
+                "total_tokens": len(prompt) + len(answer.ids),
+            },
+        }
+        if want_ids:
+            payload["prompt_token_ids"] = prompt
+        return web.Response(body=orjson.dumps(payload), content_type="application/json")
+
+    async def _stream(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        answer: _Answer,
+        prompt: list[int],
+        want_ids: bool,
+        want_logprobs: bool,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        base = {
+            "id": f"chatcmpl-{time.monotonic_ns()}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": body.get("model", self.model),
+        }
+
+        async def send(choice: dict[str, Any], **top: Any) -> None:
+            await response.write(
+                b"data: " + orjson.dumps({**base, **top, "choices": [choice]}) + b"\n\n"
+            )
+
+        first: dict[str, Any] = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        await send(first, **({"prompt_token_ids": prompt} if want_ids else {}))
+        pieces = _pieces(answer)
+        for i, (token, delta) in enumerate(pieces):
+            if self.stream_break_after is not None and i >= self.stream_break_after:
+                request.transport.close()  # type: ignore[union-attr]
+                return response
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "finish_reason": None,
+                "logprobs": {"content": [_logprob_entry(i, token)]} if want_logprobs else None,
+            }
+            if want_ids:
+                choice["token_ids"] = [token]
+            await send(choice)
+        await send(
+            {
+                "index": 0,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": answer.finish_reason,
+                **({"token_ids": []} if want_ids else {}),
+            }
+        )
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _pieces(answer: _Answer) -> list[tuple[int, dict[str, Any]]]:
+    """(token id, delta) per sampled token, as vLLM streams them."""
+    if answer.tool_calls:
+        call = answer.tool_calls[0]
+        arguments = call["function"]["arguments"]
+        pieces = [
+            (
+                answer.ids[0],
+                {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {
+                                "name": call["function"]["name"],
+                                "arguments": arguments[0],
+                            },
+                        }
+                    ]
+                },
+            )
+        ]
+        pieces += [
+            (t, {"tool_calls": [{"index": 0, "function": {"arguments": ch}}]})
+            for t, ch in zip(answer.ids[1:], arguments[1:], strict=False)
+        ]
+        return pieces + [(t, {}) for t in answer.ids[len(arguments) :]]
+    text = (answer.text or "").encode()
+    return [
+        (t, {"content": chr(text[i])} if i < len(text) else {}) for i, t in enumerate(answer.ids)
+    ]
+
+
+def _logprob_entry(position: int, token: int) -> dict[str, Any]:
+    return {"token": f"<{token}>", "logprob": logprob(position), "bytes": None, "top_logprobs": []}
+
+
+@contextmanager
+def serve_in_thread(
+    fake: FakeVllm | None = None, host: str = "127.0.0.1"
+) -> Iterator[tuple[str, FakeVllm]]:
+    """Run a fake server on a free port in a thread; yields (base URL ending in /v1, state)."""
+    fake = fake or FakeVllm()
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    holder: dict[str, Any] = {}
+
+    async def start() -> None:
+        runner = web.AppRunner(fake.app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, 0)
+        await site.start()
+        holder["runner"] = runner
+        holder["port"] = runner.addresses[0][1]
+        ready.set()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=10)
+    ready.wait()
+    try:
+        yield f"http://{host}:{holder['port']}/v1", fake
+    finally:
+        asyncio.run_coroutine_threadsafe(holder["runner"].cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+def main(argv: list[str]) -> None:
+    options = dict(arg.split("=", 1) for arg in argv)
+    web.run_app(
+        FakeVllm().app,
+        host=options.get("host", "127.0.0.1"),
+        port=int(options.get("port", "8001")),
+        access_log=None,
+        print=None,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

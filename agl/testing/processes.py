@@ -1,0 +1,76 @@
+"""Start agl's services as real processes on free loopback ports (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"{process.args} exited with {process.returncode} before it was ready"
+            )
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+
+
+@dataclass
+class GatewayProcess:
+    url: str
+    token: str
+    run_dir: Path
+    process: subprocess.Popen[bytes]
+
+    def kill(self) -> None:
+        """``kill -9``: no shutdown hook runs."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@contextmanager
+def gateway_process(
+    run_dir: Path, token: str = "test-admin-token", port: int | None = None, **options: object
+) -> Iterator[GatewayProcess]:
+    """``python -m agl.gateway`` on a free port; stopped on exit."""
+    port = port or free_port()
+    args = [f"port={port}", f"run_dir={run_dir}", *(f"{k}={v}" for k, v in options.items())]
+    env = {**os.environ, "AGL_ADMIN_TOKEN": token}
+    process = subprocess.Popen([sys.executable, "-m", "agl.gateway", *args], env=env)
+    gateway = GatewayProcess(f"http://127.0.0.1:{port}", token, run_dir, process)
+    try:
+        wait_healthy(f"{gateway.url}/healthz", process)
+        yield gateway
+    finally:
+        gateway.stop()
