@@ -110,3 +110,32 @@ def test_weights_updated_while_paused_are_used_by_waiting_calls(
         assert event.data["policy_version"] == 4
     finally:
         admin.register_models([{"model": "policy", "endpoint": upstream[0], "policy_version": 3}])
+
+
+def test_a_harness_that_hangs_up_mid_stream_leaves_no_call_in_flight(
+    gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout], fake: FakeVllm
+) -> None:
+    import httpx
+
+    r = running()
+    body = {"model": "policy", "messages": MESSAGES, "stream": True}
+    fake.chunk_delay_s = 0.2
+    with httpx.stream(
+        "POST",
+        base_url(gateway, r) + "/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {r.attempt_key}"},
+        timeout=10,
+    ) as s:
+        lines = s.iter_lines()
+        assert next(lines).startswith("data: ")  # the stream has begun ...
+        assert admin.admission().in_flight == 1
+    # ... and the harness hung up (closing the response) long before its end.
+    deadline = time.monotonic() + 5
+    while admin.admission().in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert admin.admission().in_flight == 0
+    try:
+        assert admin.pause(timeout_s=5).drained
+    finally:
+        admin.resume()

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,7 @@ class GatewayConfig:
     upstream_backoff_s: float = 0.1
     upstream_timeout_s: float = 600.0
     sweep_interval_s: float = 1.0
+    fsync: bool = False  # also survive power loss, not only kill -9 (an fsync per commit)
     access_log: bool = False
     log_level: str = "info"
 
@@ -144,6 +146,67 @@ class BodyLimit:
         return f"request body is larger than the limit of {self.max_bytes} bytes"
 
 
+PROXY_CHAT = "/proxy/rollout/{rollout_id}/attempt/{attempt}/mode/{mode}/openai/v1/chat/completions"
+EVENTS = "/api/rollouts/{rollout_id}/attempt/{attempt}/events"
+_PROXY_CHAT = re.compile(
+    r"^/proxy/rollout/([^/]+)/attempt/(\d+)/mode/([^/]+)/openai/v1/chat/completions$"
+)
+_EVENTS_PATH = re.compile(r"^/api/rollouts/([^/]+)/attempt/(\d+)/events$")
+
+
+class FastLane:
+    """ASGI: serves the two hot routes, proxied chat calls and event POSTs, ahead of
+    FastAPI's middleware and dependency machinery, which costs about as much CPU per call
+    as the proxy's own work. Anything else, including a hot path that does not parse
+    (say a non-numeric attempt), goes on to FastAPI, where the same handlers are
+    declared for the OpenAPI schema and the error messages."""
+
+    def __init__(self, app: ASGIApp, gateway: Callable[[], Gateway]) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path = scope["path"]
+            if match := _PROXY_CHAT.match(path):
+                rollout_id, attempt, mode = match.groups()
+                await self._serve(
+                    scope,
+                    receive,
+                    send,
+                    lambda request: self.gateway().proxy_chat(
+                        request, rollout_id, int(attempt), mode
+                    ),
+                )
+                return
+            if match := _EVENTS_PATH.match(path):
+                rollout_id, attempt = match.groups()
+                await self._serve(
+                    scope,
+                    receive,
+                    send,
+                    lambda request: self.gateway().post_events(request, rollout_id, int(attempt)),
+                )
+                return
+        await self.app(scope, receive, send)
+
+    async def _serve(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        handler: Callable[[Request], Awaitable[Response]],
+    ) -> None:
+        try:
+            response = await handler(Request(scope, receive))
+        except ApiError as error:
+            response = error.response()
+        except Exception:
+            log.exception("unhandled error on %s", scope["path"])
+            response = error_response(500, "internal error; see the gateway log")
+        await response(scope, receive, send)
+
+
 class Gateway:
     """State shared by the routes: store, keys, proxy, admission gate."""
 
@@ -221,6 +284,34 @@ class Gateway:
             ) from None
         return _json(self.rollout_json(rollout, admin))
 
+    # -- the hot routes (also served by FastLane) -----------------------------------
+
+    async def proxy_chat(
+        self, request: Request, rollout_id: str, attempt: int, mode: str
+    ) -> Response:
+        principal = self.for_attempt(request, rollout_id, attempt)
+        rollout = await self.rollout(rollout_id)
+        if rollout.status is not Status.RUNNING or attempt != rollout.attempt:
+            raise ApiError(
+                409,
+                f"attempt {attempt} of rollout {rollout_id!r} is not running "
+                f"(rollout is at attempt {rollout.attempt}, {rollout.status})",
+                current=self.rollout_json(rollout, principal.admin),
+            )
+        if mode != rollout.mode:
+            raise ApiError(
+                400, f"mode {mode!r} in the path does not match the rollout's mode {rollout.mode!r}"
+            )
+        return await self.proxy.chat(rollout_id, attempt, mode, await request.body())
+
+    async def post_events(self, request: Request, rollout_id: str, attempt: int) -> Response:
+        principal = self.for_attempt(request, rollout_id, attempt)
+        body = _parse(_EVENTS, await request.body())
+        await self.live_attempt(rollout_id, attempt, principal)
+        batch = body if isinstance(body, list) else [body]
+        events = await self.store.append_events(rollout_id, attempt, batch, time.time())
+        return _json(events if isinstance(body, list) else events[0])
+
     async def sweep_timeouts(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
@@ -241,7 +332,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = open_store(config.store_url)
+        store = open_store(config.store_url, fsync=config.fsync)
         secret = await store.set_meta_once("secret", secrets.token_hex(32))
         upstream = Upstream(
             RetryPolicy(config.upstream_retries, config.upstream_backoff_s),
@@ -263,6 +354,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> FastAPI:
             await store.close()
 
     app = FastAPI(title="agl gateway", lifespan=lifespan)
+    app.add_middleware(FastLane, gateway=lambda: holder["gateway"])
     app.add_middleware(BodyLimit, max_bytes=int(config.max_body_mb * 2**20))
 
     def gw() -> Gateway:
@@ -346,17 +438,6 @@ def create_app(config: GatewayConfig, admin_token: str) -> FastAPI:
 
     # -- events --------------------------------------------------------------------
 
-    @app.post("/api/rollouts/{rollout_id}/attempt/{attempt}/events", openapi_extra=_body(_EVENTS))
-    async def post_events(request: Request, rollout_id: str, attempt: int) -> Response:
-        g = gw()
-        principal = g.for_attempt(request, rollout_id, attempt)
-        body = _parse(_EVENTS, await request.body())
-        await g.live_attempt(rollout_id, attempt, principal)
-        events = await g.store.append_events(
-            rollout_id, attempt, body if isinstance(body, list) else [body], time.time()
-        )
-        return _json(events if isinstance(body, list) else events[0])
-
     @app.get("/api/rollouts/{rollout_id}/events")
     async def get_events(
         request: Request,
@@ -424,25 +505,13 @@ def create_app(config: GatewayConfig, admin_token: str) -> FastAPI:
 
     # -- proxy ---------------------------------------------------------------------
 
-    @app.post(
-        "/proxy/rollout/{rollout_id}/attempt/{attempt}/mode/{mode}/openai/v1/chat/completions"
-    )
+    @app.post(PROXY_CHAT)
     async def proxy_chat(request: Request, rollout_id: str, attempt: int, mode: str) -> Response:
-        g = gw()
-        principal = g.for_attempt(request, rollout_id, attempt)
-        rollout = await g.rollout(rollout_id)
-        if rollout.status is not Status.RUNNING or attempt != rollout.attempt:
-            raise ApiError(
-                409,
-                f"attempt {attempt} of rollout {rollout_id!r} is not running "
-                f"(rollout is at attempt {rollout.attempt}, {rollout.status})",
-                current=g.rollout_json(rollout, principal.admin),
-            )
-        if mode != rollout.mode:
-            raise ApiError(
-                400, f"mode {mode!r} in the path does not match the rollout's mode {rollout.mode!r}"
-            )
-        return await g.proxy.chat(rollout_id, attempt, mode, await request.body())
+        return await gw().proxy_chat(request, rollout_id, attempt, mode)
+
+    @app.post(EVENTS, openapi_extra=_body(_EVENTS))
+    async def post_events(request: Request, rollout_id: str, attempt: int) -> Response:
+        return await gw().post_events(request, rollout_id, attempt)
 
     return app
 

@@ -100,8 +100,9 @@ class Store(ABC):
     async def close(self) -> None: ...
 
 
-def open_store(url: str) -> Store:
-    """A store from a URL: ``sqlite:///path/to/file.db`` or a plain file path."""
+def open_store(url: str, fsync: bool = False) -> Store:
+    """A store from a URL: ``sqlite:///path/to/file.db`` or a plain file path. ``fsync``
+    makes each commit survive the loss of the machine, not only of the process."""
     if url.startswith("sqlite://"):
         path = url.removeprefix("sqlite://")
     elif "://" in url:
@@ -110,4 +111,4 @@ def open_store(url: str) -> Store:
         path = url
     from agl.core.sqlite_store import SqliteStore
 
-    return SqliteStore(Path(path))
+    return SqliteStore(Path(path), fsync=fsync)

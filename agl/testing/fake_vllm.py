@@ -68,6 +68,7 @@ class FakeVllm:
         self.fail_next: list[int] = []
         self.delay_s = 0.0
         self.stream_break_after: int | None = None
+        self.chunk_delay_s = 0.0
         self.requests: list[dict[str, Any]] = []
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self.chat)
@@ -199,6 +200,8 @@ class FakeVllm:
             if want_ids:
                 choice["token_ids"] = [token]
             await send(choice)
+            if self.chunk_delay_s:
+                await asyncio.sleep(self.chunk_delay_s)
         await send(
             {
                 "index": 0,

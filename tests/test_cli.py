@@ -1,0 +1,56 @@
+"""``python -m agl.gateway``: a bad option is one line on stderr, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agl.testing.processes import free_port, wait_healthy
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["port=abc"], "option port='abc' is not a valid int"),
+        (["colour=blue"], "unknown option 'colour'"),
+        (["port"], "expected key=value"),
+        (["access_log=maybe"], "not a valid bool"),
+    ],
+)
+def test_bad_options_fail_in_one_line(args: list[str], message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "agl.gateway", *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_admin_token_is_made_once_with_mode_600(tmp_path: Path) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "AGL_ADMIN_TOKEN"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "agl.gateway", f"port={port}", f"run_dir={tmp_path}"],
+        env=env,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/healthz", process)
+        token_file = tmp_path / "admin_token"
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+        ok = httpx.get(
+            f"http://127.0.0.1:{port}/api/models", headers={"Authorization": f"Bearer {token}"}
+        )
+        assert ok.status_code == 200
+        assert (tmp_path / "gateway.db").exists()
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=10)
+    assert token not in stderr.decode()  # never logged
