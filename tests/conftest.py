@@ -26,6 +26,7 @@ def fake(upstream: tuple[str, FakeVllm]) -> Iterator[FakeVllm]:
     state.delay_s = 0.0
     state.stream_break_after = None
     state.chunk_delay_s = 0.0
+    state.raw_next.clear()
     state.requests.clear()
     yield state
     state.fail_next.clear()

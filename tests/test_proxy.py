@@ -285,3 +285,19 @@ def test_a_rollout_sticks_to_one_endpoint(
             admin.register_models(
                 [{"model": "policy", "endpoint": upstream[0], "policy_version": 3}]
             )
+
+
+def test_malformed_answers_are_502_and_recorded_as_failed(
+    gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout], fake: FakeVllm
+) -> None:
+    r = running()
+    fake.raw_next = [b"not json", b'{"choices": "nope"}', b'{"no": "choices"}']
+    for _ in range(3):
+        with pytest.raises(openai.APIStatusError) as failed:
+            agent(gateway, r).chat.completions.create(model="policy", messages=MESSAGES)
+        assert failed.value.status_code == 502 and "malformed" in str(failed.value)
+    assert model_requests(admin, r) == []
+    assert len(model_requests(admin, r, "model_request_failed")) == 3
+    # and the gateway is fine afterwards
+    answer = agent(gateway, r).chat.completions.create(model="policy", messages=MESSAGES)
+    assert answer.choices[0].message.content == reply_for(MESSAGES)

@@ -11,6 +11,7 @@ requests described by :class:`_Calls`, so they cannot disagree on the wire forma
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -211,9 +212,6 @@ class _Base:
         self.backoff_s = backoff_s
         self._headers = {"Authorization": f"Bearer {token}"}
 
-    def _delay(self, attempt: int) -> float:
-        return min(self.backoff_s * 2**attempt, 5.0) * (0.5 + random.random() / 2)
-
     def _timeout(self, call: _Call[Any]) -> httpx.Timeout:
         if call.unbounded_read:
             return httpx.Timeout(self.timeout_s, read=None)
@@ -231,10 +229,26 @@ class _Base:
             message = body["error"].get("message", body)
         raise GatewayError(response.status_code, str(message), body)
 
-    def _should_retry(self, attempt: int, error: Exception | None, status: int | None) -> bool:
+    def _retry_after(
+        self, call: _Call[Any], attempt: int, outcome: httpx.Response | Exception
+    ) -> float | None:
+        """Seconds to wait before retrying ``call``, or None when ``outcome`` is final."""
+        if isinstance(outcome, httpx.Response) and outcome.status_code not in RETRY_STATUSES:
+            return None
         if attempt >= self.retries:
-            return False
-        return error is not None or status in RETRY_STATUSES
+            return None
+        what = outcome.status_code if isinstance(outcome, httpx.Response) else repr(outcome)
+        log.warning("gateway %s %s: %s; retrying", call.method, call.path, what)
+        return min(self.backoff_s * 2**attempt, 5.0) * (0.5 + random.random() / 2)
+
+    def _request(self, call: _Call[Any]) -> dict[str, Any]:
+        return {
+            "method": call.method,
+            "url": call.path,
+            "json": call.json,
+            "params": call.params,
+            "timeout": self._timeout(call),
+        }
 
 
 class GatewayClient(_Base):
@@ -259,31 +273,18 @@ class GatewayClient(_Base):
         self.close()
 
     def _send(self, call: _Call[T]) -> T:
-        attempt = 0
-        while True:
+        for attempt in itertools.count():
             try:
-                response = self._http.request(
-                    call.method,
-                    call.path,
-                    json=call.json,
-                    params=call.params,
-                    timeout=self._timeout(call),
-                )
+                outcome: httpx.Response | Exception = self._http.request(**self._request(call))
             except httpx.TransportError as error:
-                if not self._should_retry(attempt, error, None):
-                    raise
-                log.warning("gateway %s %s failed (%r); retrying", call.method, call.path, error)
-            else:
-                if not self._should_retry(attempt, None, response.status_code):
-                    return self._outcome(call, response)
-                log.warning(
-                    "gateway %s %s answered %d; retrying",
-                    call.method,
-                    call.path,
-                    response.status_code,
-                )
-            time.sleep(self._delay(attempt))
-            attempt += 1
+                outcome = error
+            delay = self._retry_after(call, attempt, outcome)
+            if delay is None:
+                if isinstance(outcome, Exception):
+                    raise outcome
+                return self._outcome(call, outcome)
+            time.sleep(delay)
+        raise AssertionError("unreachable")
 
     def create_rollouts(self, specs: Iterable[RolloutSpec | dict[str, Any]]) -> list[Rollout]:
         return self._send(_Calls.create_rollouts(specs))
@@ -392,31 +393,20 @@ class AsyncGatewayClient(_Base):
         await self.close()
 
     async def _send(self, call: _Call[T]) -> T:
-        attempt = 0
-        while True:
+        for attempt in itertools.count():
             try:
-                response = await self._http.request(
-                    call.method,
-                    call.path,
-                    json=call.json,
-                    params=call.params,
-                    timeout=self._timeout(call),
+                outcome: httpx.Response | Exception = await self._http.request(
+                    **self._request(call)
                 )
             except httpx.TransportError as error:
-                if not self._should_retry(attempt, error, None):
-                    raise
-                log.warning("gateway %s %s failed (%r); retrying", call.method, call.path, error)
-            else:
-                if not self._should_retry(attempt, None, response.status_code):
-                    return self._outcome(call, response)
-                log.warning(
-                    "gateway %s %s answered %d; retrying",
-                    call.method,
-                    call.path,
-                    response.status_code,
-                )
-            await asyncio.sleep(self._delay(attempt))
-            attempt += 1
+                outcome = error
+            delay = self._retry_after(call, attempt, outcome)
+            if delay is None:
+                if isinstance(outcome, Exception):
+                    raise outcome
+                return self._outcome(call, outcome)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
 
     async def create_rollouts(self, specs: Iterable[RolloutSpec | dict[str, Any]]) -> list[Rollout]:
         return await self._send(_Calls.create_rollouts(specs))

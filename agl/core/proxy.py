@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,22 +156,24 @@ class RecordingProxy:
                 return await self._failed(
                     call, upstream.status, _upstream_message(payload), body=payload
                 )
-        answer = orjson.loads(payload)
-        prompt_ids = answer.get("prompt_token_ids")
-        await self._record(
-            call,
-            [
+        try:
+            answer = orjson.loads(payload)
+            calls = [
                 self._call_data(
                     call,
-                    prompt_ids,
+                    answer.get("prompt_token_ids"),
                     c.get("token_ids"),
                     _logprobs(c),
                     c.get("finish_reason"),
                     c.get("message") or {},
                 )
-                for c in answer.get("choices") or ()
-            ],
-        )
+                for c in answer["choices"]
+            ]
+        except _MALFORMED as error:
+            return await self._failed(
+                call, 502, f"endpoint answered a malformed completion: {error!r}"
+            )
+        await self._record(call, calls)
         return Response(
             orjson.dumps(self._for_harness(call, answer)), media_type="application/json"
         )
@@ -197,14 +199,12 @@ class RecordingProxy:
         async def relay() -> AsyncIterator[bytes]:
             choices: dict[int, _Choice] = {}
             prompt_ids: list[int] | None = None
-            finished = False
             try:
                 async for line in upstream.content:
                     if not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
                     if data == b"[DONE]":
-                        finished = True
                         break
                     chunk = orjson.loads(data)
                     if chunk.get("prompt_token_ids") is not None:
@@ -212,12 +212,10 @@ class RecordingProxy:
                     for c in chunk.get("choices") or ():
                         choices.setdefault(c.get("index", 0), _Choice()).add(c)
                     yield b"data: " + orjson.dumps(self._for_harness(call, chunk)) + b"\n\n"
-            except (aiohttp.ClientError, TimeoutError) as error:
-                await self._record_failure(call, 502, f"stream broke: {error!r}")
-                raise
-            if not finished:
-                await self._record_failure(call, 502, "stream ended before [DONE]")
-                return
+                else:
+                    raise _StreamBroke("the endpoint's stream ended before [DONE]")
+            except (aiohttp.ClientError, TimeoutError, *_MALFORMED) as error:
+                raise _StreamBroke(f"the endpoint's stream broke: {error!r}") from error
             await self._record(
                 call,
                 [
@@ -229,11 +227,14 @@ class RecordingProxy:
             )
             yield b"data: [DONE]\n\n"
 
+        async def broke(error: _StreamBroke) -> None:
+            await self._record_failure(call, 502, str(error))
+
         def done() -> None:
             upstream.release()
             ticket.release()
 
-        return _StreamThenClose(relay(), done)
+        return _StreamThenClose(relay(), done, broke)
 
     def _for_harness(self, call: CallContext, answer: dict[str, Any]) -> dict[str, Any]:
         for key in _EXTRA_TOP:
@@ -313,19 +314,38 @@ class RecordingProxy:
         return error_response(status, message)
 
 
+class _StreamBroke(Exception):
+    """The endpoint's stream failed after the harness had part of it."""
+
+
+# What a malformed answer from an endpoint raises while it is read.
+_MALFORMED = (ValueError, KeyError, TypeError, AttributeError)
+
+
 class _StreamThenClose(StreamingResponse):
     """An event stream that runs ``on_close`` once the response is over, whether the
-    body was sent, broke off, or never started."""
+    body was sent, broke off, or never started. When the endpoint's stream breaks, the
+    failure is recorded and the harness's connection is cut short, so that its client
+    sees an error rather than a clean but truncated answer."""
 
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        on_close: Callable[[], None],
+        on_broken: Callable[[_StreamBroke], Awaitable[None]],
+    ) -> None:
         super().__init__(
             body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
         self._on_close = on_close
+        self._on_broken = on_broken
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except _StreamBroke as error:
+            log.warning("%s; cutting the harness's stream short", error)
+            await self._on_broken(error)
         finally:
             self._on_close()
 

@@ -69,6 +69,7 @@ class FakeVllm:
         self.delay_s = 0.0
         self.stream_break_after: int | None = None
         self.chunk_delay_s = 0.0
+        self.raw_next: list[bytes] = []  # 200 answers with these bodies, verbatim
         self.requests: list[dict[str, Any]] = []
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self.chat)
@@ -113,6 +114,8 @@ class FakeVllm:
                 {"error": {"message": f"injected failure {status}", "code": status}},
                 status=status,
             )
+        if self.raw_next:
+            return web.Response(body=self.raw_next.pop(0), content_type="application/json")
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if not isinstance(body.get("messages"), list) or not body["messages"]:
