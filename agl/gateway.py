@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
         loop="auto",
         http="auto",
         timeout_graceful_shutdown=5,
+        proxy_headers=False,
+        server_header=False,
     )
 
 

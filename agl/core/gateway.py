@@ -327,7 +327,9 @@ class Gateway:
                 log.exception("timeout sweep failed; retrying next interval")
 
 
-def create_app(config: GatewayConfig, admin_token: str) -> FastAPI:
+def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
+    """The gateway as an ASGI app: FastAPI for the API, with the body limit and the fast
+    lane in front of it (outside FastAPI's own middleware, which the hot routes skip)."""
     holder: dict[str, Gateway] = {}
 
     @asynccontextmanager
@@ -354,8 +356,6 @@ def create_app(config: GatewayConfig, admin_token: str) -> FastAPI:
             await store.close()
 
     app = FastAPI(title="agl gateway", lifespan=lifespan)
-    app.add_middleware(FastLane, gateway=lambda: holder["gateway"])
-    app.add_middleware(BodyLimit, max_bytes=int(config.max_body_mb * 2**20))
 
     def gw() -> Gateway:
         return holder["gateway"]
@@ -513,7 +513,8 @@ def create_app(config: GatewayConfig, admin_token: str) -> FastAPI:
     async def post_events(request: Request, rollout_id: str, attempt: int) -> Response:
         return await gw().post_events(request, rollout_id, attempt)
 
-    return app
+    fast_lane = FastLane(app, gateway=lambda: holder["gateway"])
+    return BodyLimit(fast_lane, max_bytes=int(config.max_body_mb * 2**20))
 
 
 def _admission(gate: AdmissionGate, drained: bool) -> Admission:
