@@ -1,0 +1,66 @@
+"""What the trainer works on: model calls as recorded, and the samples made from them.
+
+``ModelCall`` and ``Sample`` are the stable names of DESIGN.md's Python API; strategies
+take and return lists of them, so the algorithms stay pure (no HTTP, no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """One recorded call: the exact prompt tokens, the sampled tokens and their logprobs."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    policy_version: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.response_ids):
+            raise ValueError(
+                f"a call needs one logprob per response token: {len(self.response_ids)} "
+                f"tokens, {len(self.logprobs)} logprobs"
+            )
+
+
+class BreakReason(StrEnum):
+    """Why a sample did not continue the one before it in its rollout."""
+
+    INDEPENDENT = "independent"  # the strategy never merges
+    RESPONSE_RETOKENIZED = "response_retokenized"  # diverged inside the previous response
+    HISTORY_REWRITTEN = "history_rewritten"  # diverged before it (template, summary, subagent)
+
+
+@dataclass
+class Sample:
+    """One training sequence.
+
+    ``action_mask`` is 1 where the model sampled the token; ``logprobs`` is aligned with
+    ``tokens`` (0 where not an action). ``call_index`` names, per token, the call (its
+    index in the deduplicated call list) whose response the token is, -1 for context.
+    Tree samples add ``parents`` (index of each token's parent, -1 for a root) and
+    ``position_ids`` (depth), which define the branch-aware causal mask.
+    """
+
+    tokens: list[int]
+    action_mask: list[int]
+    logprobs: list[float]
+    rollout_id: str
+    group_id: str
+    call_index: list[int] = field(default_factory=list)
+    position_ids: list[int] | None = None
+    parents: list[int] | None = None
+    break_reason: BreakReason | None = None  # None for the first sample of a rollout
+    diverged_at: int | None = None  # token index where the prompt left the sequence
+    stitched_calls: int = 0  # stitch only: calls whose prompt stitching changed
+
+    @property
+    def num_actions(self) -> int:
+        return sum(self.action_mask)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
