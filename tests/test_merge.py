@@ -191,3 +191,31 @@ def test_an_empty_rollout_has_no_samples() -> None:
 def test_identical_calls_dedup_to_one(data: st.DataObject) -> None:
     calls = data.draw(traces(max_calls=3))
     assert dedup(calls + calls[-1:]) == dedup(calls)
+
+
+def test_calls_from_events_keeps_trainable_model_requests_in_order() -> None:
+    from agl.core.calls import calls_from_events
+    from agl.core.records import Event
+
+    def event(seq: int, type: str, data: dict) -> Event:
+        return Event(
+            rollout_id="r",
+            attempt=1,
+            event_id=str(seq),
+            sequence=seq,
+            type=type,
+            data=data,
+            time=0.0,
+        )
+
+    call = {"prompt_ids": [1, 2], "response_ids": [3], "logprobs": [-0.5], "policy_version": 2}
+    events = [
+        event(7, "model_request", {**call, "prompt_ids": [1, 2, 3, 4]}),
+        event(3, "model_request", call),
+        event(4, "reward", {"value": 1.0}),
+        event(5, "model_request", {**call, "prompt_ids": None}),  # endpoint gave no ids
+    ]
+    assert calls_from_events(events) == [
+        ModelCall([1, 2], [3], [-0.5], 2),
+        ModelCall([1, 2, 3, 4], [3], [-0.5], 2),
+    ]
