@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agl.core.merging import common_prefix_len
 from agl.testing.retok import SPECIAL_TOKENS, TOKENIZER_PATH, load_tokenizer
 from agl.testing.retok.make_tokenizer import PROSE_WORDS, tokenizer_json
 from agl.testing.retok.template import (
@@ -30,7 +31,6 @@ from agl.testing.retok.traces import (
     TOOLS,
     Rates,
     Trace,
-    common_prefix_len,
     generate_rollout,
     generate_traces,
 )

@@ -3,12 +3,13 @@ classification of why a prompt could not continue it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from agl.core.types import BreakReason, ModelCall, Sample
 
 
-def common_prefix_len(a: list[int], b: list[int]) -> int:
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

@@ -137,14 +137,6 @@ def is_prefix(a: Sequence[int], b: Sequence[int]) -> bool:
     return len(a) <= len(b) and list(b[: len(a)]) == list(a)
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 @dataclass
 class _Conversation:
     """One agent's history as the harness holds it."""
