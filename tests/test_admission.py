@@ -17,6 +17,13 @@ from tests.conftest import base_url
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
 def call_in_thread(
     gateway: GatewayProcess, r: Rollout, stream: bool, out: list
 ) -> threading.Thread:
@@ -40,14 +47,14 @@ def call_in_thread(
 def test_pause_waits_for_in_flight_calls_then_holds_new_ones(
     gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout], fake: FakeVllm
 ) -> None:
-    fake.delay_s = 0.5
+    fake.delay_s = 1.0
     in_flight: list = []
     first = [running(), running()]
     threads = [
         call_in_thread(gateway, r, stream, in_flight)
         for r, stream in zip(first, (False, True), strict=True)
     ]
-    time.sleep(0.2)  # both calls are now at the upstream
+    wait_until(lambda: len(fake.requests) == 2)  # both calls are at the upstream
     assert admin.admission().in_flight == 2
     try:
         paused = admin.pause()
@@ -62,9 +69,10 @@ def test_pause_waits_for_in_flight_calls_then_holds_new_ones(
         fake.delay_s = 0.0
         waiting: list = []
         late = [call_in_thread(gateway, running(), stream, waiting) for stream in (False, True)]
-        time.sleep(0.6)
+        wait_until(lambda: admin.admission().waiting == 2)
+        time.sleep(0.3)
         assert waiting == []  # held at the gate, neither refused nor answered
-        assert admin.admission().in_flight == 0
+        assert admin.admission().in_flight == 0 and len(fake.requests) == 2
     finally:
         resumed_at = time.monotonic()
         admin.resume()
@@ -81,7 +89,7 @@ def test_pause_with_timeout_reports_not_drained(
     fake.delay_s = 1.0
     out: list = []
     thread = call_in_thread(gateway, running(), False, out)
-    time.sleep(0.2)
+    wait_until(lambda: len(fake.requests) == 1)
     try:
         state = admin.pause(timeout_s=0.1)
         assert (state.state, state.drained, state.in_flight) == ("paused", False, 1)
@@ -92,7 +100,11 @@ def test_pause_with_timeout_reports_not_drained(
 
 
 def test_weights_updated_while_paused_are_used_by_waiting_calls(
-    gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout], upstream
+    gateway: GatewayProcess,
+    admin: GatewayClient,
+    running: Callable[..., Rollout],
+    upstream,
+    fake: FakeVllm,
 ) -> None:
     """A call that waited through a weight update records the new policy_version."""
     r = running()
@@ -100,7 +112,7 @@ def test_weights_updated_while_paused_are_used_by_waiting_calls(
     try:
         admin.pause()
         thread = call_in_thread(gateway, r, False, out)
-        time.sleep(0.2)
+        wait_until(lambda: admin.admission().waiting == 1)
         admin.register_models([{"model": "policy", "endpoint": upstream[0], "policy_version": 4}])
     finally:
         admin.resume()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -59,8 +60,10 @@ def test_acknowledged_writes_survive_kill_9(run_dir: Path, upstream: tuple[str, 
         threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
         for t in threads:
             t.start()
-        threading.Event().wait(1.5)
-        gw.kill()
+        deadline = time.monotonic() + 30
+        while len(acked_calls) < 15 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gw.kill()  # mid-load: writers are between requests, or inside one
         stop.set()
         for t in threads:
             t.join(timeout=10)

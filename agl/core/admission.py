@@ -19,6 +19,7 @@ class AdmissionGate:
         self._idle = asyncio.Event()
         self._idle.set()
         self.in_flight = 0
+        self.waiting = 0  # calls held at the closed gate
 
     @property
     def paused(self) -> bool:
@@ -27,8 +28,13 @@ class AdmissionGate:
     async def enter(self) -> Ticket:
         """Wait until the gate is open, then count the caller in flight until its ticket
         is released."""
-        while not self._open.is_set():
-            await self._open.wait()
+        if not self._open.is_set():
+            self.waiting += 1
+            try:
+                while not self._open.is_set():
+                    await self._open.wait()
+            finally:
+                self.waiting -= 1
         self.in_flight += 1
         self._idle.clear()
         return Ticket(self)

@@ -519,7 +519,10 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
 
 def _admission(gate: AdmissionGate, drained: bool) -> Admission:
     return Admission(
-        state="paused" if gate.paused else "running", in_flight=gate.in_flight, drained=drained
+        state="paused" if gate.paused else "running",
+        in_flight=gate.in_flight,
+        waiting=gate.waiting,
+        drained=drained,
     )
 
 

@@ -112,6 +112,7 @@ class AdmissionIn(_Strict):
 class Admission(BaseModel):
     state: Literal["paused", "running"]
     in_flight: int
+    waiting: int = 0
     drained: bool = True
 
 
