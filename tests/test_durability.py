@@ -68,7 +68,7 @@ def test_acknowledged_writes_survive_kill_9(run_dir: Path, upstream: tuple[str, 
         for t in threads:
             t.join(timeout=10)
 
-    assert len(acked_rollouts) > 20 and len(acked_calls) > 10, "too little load to mean anything"
+    assert len(acked_rollouts) >= 15 and len(acked_calls) >= 15, "too little load to mean anything"
     with gateway_process(run_dir) as gw, GatewayClient(gw.url, gw.token) as admin:
         stored = {r.rollout_id for r in admin.list_rollouts()}
         assert acked_rollouts <= stored
