@@ -26,22 +26,23 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+# Before anything verl-only (numpy and torch come with verl, not with agl's test extras).
 pytest.importorskip(
     "verl",
     reason="verl 0.9.1 is not installed: the cross-checks against verl's agg_loss and "
     "GRPO/RLOO advantages need it (pip install --no-deps verl==0.9.1 plus its import deps)",
 )
-torch = pytest.importorskip("torch", reason="verl needs torch")
 
-from verl.trainer.ppo import core_algos  # noqa: E402
+import numpy as np
+import torch
+from verl.trainer.ppo import core_algos
 
-from agl.core.registry import get  # noqa: E402
-from agl.core.types import Sample  # noqa: E402
+from agl.core.registry import get
+from agl.core.types import Sample
 
 TOL = 1e-5
 CHECKS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -220,7 +221,8 @@ def _verl_advantages(
 
 group_rewards = st.lists(
     st.lists(
-        st.one_of(st.sampled_from([0.0, 1.0]), finite),
+        # binary rewards, near-ties (a spread of 1e-4 tells where epsilon goes), anything
+        st.one_of(st.sampled_from([0.0, 1.0, 1.0 + 1e-4, 1e-5]), finite),
         min_size=1,
         max_size=6,
     ),
