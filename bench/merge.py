@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import Counter
 from collections.abc import Sequence
 
 from agl.core.calls import dedup
+from agl.core.metrics import merge_metrics
 from agl.core.registry import get, names
 from agl.core.types import BreakReason, ModelCall, Sample
 from agl.testing.retok import load_tokenizer
@@ -77,25 +77,21 @@ def report(n_rollouts: int, seed: int) -> str:
         unique = sum(unique_tokens(dedup(c)) for c in rollouts)
         for strategy in names("merge"):
             merged, seconds = run_setting(rollouts, strategy, decode)
-            samples = [s for per_rollout in merged for s in per_rollout]
-            reasons = Counter(s.break_reason for s in samples)
-            breaks = sum(reasons[r] for r in BreakReason if r is not BreakReason.INDEPENDENT)
+            m = merge_metrics(merged, n_calls)
+            computed = sum(len(s) for per_rollout in merged for s in per_rollout)
+            retokenized = m[f"merge/breaks/{BreakReason.RESPONSE_RETOKENIZED}"]
+            rewritten = m[f"merge/breaks/{BreakReason.HISTORY_REWRITTEN}"]
+            breaks = retokenized + rewritten
             rows.append(
                 [
                     label,
                     strategy,
-                    f"{sum(len(s) for s in samples) / unique:.3f}",
-                    f"{len(samples) / len(merged):.2f}",
-                    f"{sum(len(m) == 1 for m in merged) / len(merged):.0%}",
-                    f"{sum(s.stitched_calls for s in samples) / n_calls:.1%}"
-                    if strategy == "stitch"
-                    else "-",
-                    f"{reasons[BreakReason.RESPONSE_RETOKENIZED] / max(breaks, 1):.0%}"
-                    if breaks
-                    else "-",
-                    f"{reasons[BreakReason.HISTORY_REWRITTEN] / max(breaks, 1):.0%}"
-                    if breaks
-                    else "-",
+                    f"{computed / unique:.3f}",
+                    f"{m['merge/samples_per_rollout']:.2f}",
+                    f"{m['merge/single_sample_rollouts']:.0%}",
+                    f"{m['merge/stitched_calls']:.1%}" if strategy == "stitch" else "-",
+                    f"{retokenized / breaks:.0%}" if breaks else "-",
+                    f"{rewritten / breaks:.0%}" if breaks else "-",
                     f"{seconds / n_calls * 10_000:.2f}",
                 ]
             )

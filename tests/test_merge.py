@@ -219,3 +219,18 @@ def test_calls_from_events_keeps_trainable_model_requests_in_order() -> None:
         ModelCall([1, 2], [3], [-0.5], 2),
         ModelCall([1, 2, 3, 4], [3], [-0.5], 2),
     ]
+
+
+def test_merge_metrics_count_breaks_and_stitches() -> None:
+    from agl.core.metrics import merge_metrics
+
+    first = ModelCall([9], [1, 2], [-0.1, -0.2])
+    retokenized = ModelCall([9, 5, 8, 3], [4], [-0.3])
+    prefix = [merge("prefix", [first, retokenized]), merge("prefix", [first])]
+    m = merge_metrics(prefix, calls=3)
+    assert m["merge/samples_per_rollout"] == 1.5 and m["merge/single_sample_rollouts"] == 0.5
+    assert m["merge/breaks/response_retokenized"] == 0.5
+    assert m["merge/breaks/history_rewritten"] == 0.0
+    assert m["merge/tokens_per_action"] == (3 + 5 + 3) / 5
+    stitched = merge_metrics([merge("stitch", [first, retokenized])], calls=2)
+    assert stitched["merge/stitched_calls"] == 0.5 and stitched["merge/samples_per_rollout"] == 1
