@@ -31,8 +31,11 @@ class BreakReason(StrEnum):
     """Why a sample did not continue the one before it in its rollout."""
 
     INDEPENDENT = "independent"  # the strategy never merges
-    RESPONSE_RETOKENIZED = "response_retokenized"  # diverged inside the previous response
-    HISTORY_REWRITTEN = "history_rewritten"  # diverged before it (template, summary, subagent)
+    # The prompt left the sample inside the previous response: it came back retokenized,
+    # or transformed (tool-call JSON reserialized, its <think> dropped by the template).
+    RESPONSE_RETOKENIZED = "response_retokenized"
+    # ... or before it: earlier history changed (template, summary, a subagent's prompt).
+    HISTORY_REWRITTEN = "history_rewritten"
 
 
 @dataclass
