@@ -1,0 +1,754 @@
+"""A batching generation engine for a transformers causal LM (CPU or one GPU).
+
+Requests are submitted from an asyncio event loop; one background thread owns the model
+and runs every forward pass, so torch work never blocks the loop. The thread does
+*continuous batching*: before each decode step it admits waiting requests (one batched,
+left-padded prefill), copies their KV cache into the running batch, and then decodes one
+token for every running sequence in a single forward pass. A sequence that finishes (eos,
+``max_tokens``, the context limit, or cancelled by the caller, e.g. on a stop string) is
+removed from the batch at once: it costs no more work.
+
+The KV cache is a preallocated slab per layer, ``[batch capacity, kv heads, columns,
+head dim]``. Every live sequence is right-aligned at the column ``end``; its mask is 1
+on its own tokens and 0 elsewhere, and its position ids count only its own tokens, so
+the logits are those of the sequence run alone (left padding is invisible). A decode step
+writes one column in place (no per-step ``torch.cat`` of the whole cache); a finished row
+is replaced by the last row (one row copied, not the whole cache); columns no live row
+uses any more are dropped from the attention window.
+
+Sampling: temperature (0 = greedy), top-p, and a per-request ``torch.Generator`` when a
+seed is given (one uniform draw per token, so a seeded request is reproducible whatever
+else is in the batch). The logprob returned for a token is ``log_softmax(logits / T)``
+at that token (plain ``log_softmax`` for greedy): the distribution it was sampled from
+before top-p truncation, which a teacher-forced forward pass reproduces.
+
+Weights change only between generations: ``update_weights`` stops admitting, waits for
+the running sequences to finish, swaps, bumps ``policy_version`` and resumes. A generation
+therefore never mixes two policies, and reports the version that sampled all its tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+log = logging.getLogger(__name__)
+
+# First allocation of KV columns; the slab doubles when a sequence outgrows it.
+_INITIAL_COLUMNS = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    n: int = 1
+    ignore_eos: bool = False
+
+
+@dataclass
+class Choice:
+    """One sampled sequence, as the event loop sees it."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | abort
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Tokens one choice gained since the previous delta (and its finish, if it ended)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+@dataclass
+class EngineStats:
+    forward_passes: int = 0
+    prefill_passes: int = 0
+    decode_steps: int = 0
+    tokens_generated: int = 0
+    requests: int = 0
+    max_running: int = 0  # the most sequences decoded together in one step
+
+
+class EngineError(RuntimeError):
+    """The engine could not run a generation (the model raised, or the engine closed)."""
+
+
+class Generation:
+    """A submitted request: its choices fill in on the event loop that submitted it."""
+
+    def __init__(
+        self,
+        request_id: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stream: bool,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.choices = [Choice(i) for i in range(params.n)]
+        self.policy_version: int | None = None  # set when admitted
+        self.error: BaseException | None = None
+        self.cancelled = False
+        # A unary request is woken once, when done; a stream after every step.
+        self._stream = stream
+        self._loop = loop
+        self._wake = asyncio.Event()
+        self._engine: Engine | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(c.finish_reason for c in self.choices)
+
+    async def wait(self) -> list[Choice]:
+        """Every choice, once all are finished."""
+        while not self.finished:
+            await self._wake.wait()
+            self._wake.clear()
+        if self.error is not None:
+            raise EngineError(str(self.error)) from self.error
+        return self.choices
+
+    async def deltas(self) -> AsyncIterator[list[Delta]]:
+        """What each choice gained, batch by batch, until all are finished."""
+        sent = [0] * len(self.choices)
+        done = [False] * len(self.choices)
+        while True:
+            batch: list[Delta] = []
+            for c in self.choices:
+                finish = c.finish_reason
+                end = len(c.token_ids)
+                if end > sent[c.index] or (finish and not done[c.index]):
+                    batch.append(
+                        Delta(
+                            c.index,
+                            c.token_ids[sent[c.index] : end],
+                            c.logprobs[sent[c.index] : end],
+                            finish,
+                        )
+                    )
+                    sent[c.index] = end
+                    done[c.index] = bool(finish)
+            if batch:
+                yield batch
+            if self.error is not None:
+                raise EngineError(str(self.error)) from self.error
+            if all(done):
+                return
+            await self._wake.wait()
+            self._wake.clear()
+
+    def cancel(self, index: int | None = None) -> None:
+        """Stop sampling one choice (or all): its row leaves the batch at the next step.
+
+        Call on the generation's event loop. A choice still running ends as ``abort``.
+        """
+        indices = range(len(self.choices)) if index is None else (index,)
+        for i in indices:
+            if not self.choices[i].finish_reason:
+                self.choices[i].finish_reason = "abort"
+        self.cancelled = all(c.finish_reason == "abort" for c in self.choices)
+        if self._engine is not None:
+            self._engine._cancel(self, tuple(indices))
+        self._wake.set()
+
+    def _deliver(
+        self, index: int, tokens: list[int], logprobs: list[float], finish: str | None
+    ) -> None:
+        choice = self.choices[index]
+        if choice.finish_reason:  # cancelled meanwhile: later tokens are not part of it
+            return
+        choice.logprobs.extend(logprobs)
+        choice.token_ids.extend(tokens)
+        if finish:
+            choice.finish_reason = finish
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+        self._wake.set()
+
+
+# (generation, choice index, new tokens, their logprobs, finish reason)
+_Update = tuple[Generation, int, list[int], list[float], str | None]
+
+
+@dataclass
+class _Row:
+    """A running sequence, as the engine thread sees it."""
+
+    generation: Generation
+    index: int
+    generated: int
+    max_new: int  # max_tokens, capped by the context left after the prompt
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    stream: bool
+    # A unary request's tokens wait here and cross to the event loop once, at the end:
+    # a per-step wake-up of the loop costs more than a decode step of a small model.
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class _SlabLayer(DynamicLayer):
+    """One layer's KV cache in the slab: ``update`` writes new columns in place and
+    returns the live window ``[:rows, :, start:end + new]``."""
+
+    def __init__(self, slab: _Slab, layer: int) -> None:
+        super().__init__()
+        self.slab = slab
+        self.layer = layer
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.slab
+        rows, new = key_states.shape[0], key_states.shape[-2]
+        keys, values = s.keys[self.layer], s.values[self.layer]
+        keys[:rows, :, s.end : s.end + new] = key_states
+        values[:rows, :, s.end : s.end + new] = value_states
+        return keys[:rows, :, s.start : s.end + new], values[:rows, :, s.start : s.end + new]
+
+    def get_seq_length(self) -> int:
+        return self.slab.end - self.slab.start
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+
+@dataclass
+class _Slab:
+    """The running batch's KV cache and per-row state. Columns ``[start, end)`` are the
+    attention window; row ``b``'s tokens occupy its last columns up to ``end``."""
+
+    capacity: int  # rows
+    columns: int = 0
+    rows: int = 0
+    start: int = 0
+    end: int = 0
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    mask: torch.Tensor | None = None  # [capacity, columns] bool
+    cache: Cache | None = None
+
+
+class Engine:
+    """Generation with continuous batching on a background thread.
+
+    ``submit`` (on an event loop) returns a ``Generation``; ``update_weights`` may be
+    called from any thread but the event loop's own (it blocks until the swap is done).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: object,
+        *,
+        max_batch_size: int = 32,
+        max_context: int | None = None,
+        policy_version: int = 0,
+        seed: int = 0,
+        num_threads: int | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.max_batch_size = max_batch_size
+        self.max_context = max_context or int(
+            getattr(self.config, "max_position_embeddings", 0) or 2048
+        )
+        self.policy_version = policy_version
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.pad_id = _pad_id(model, tokenizer)
+        self.stats = EngineStats()
+        self._check_full_attention()
+        self._num_threads = num_threads
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._ids = itertools.count()
+        self._cv = threading.Condition()
+        self._pending: deque[Generation] = deque()
+        self._cancelled: list[tuple[Generation, tuple[int, ...]]] = []
+        self._paused = 0
+        self._active = 0  # rows admitted and not yet removed (guarded by _cv)
+        self._closed = False
+        self._rows: list[_Row] = []
+        self._slab = _Slab(max_batch_size)
+        # Per row of the slab: the next position id and the next input token.
+        self._positions = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
+        self._next = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
+        self._thread = threading.Thread(target=self._run, name="agl-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, *, stream: bool = False
+    ) -> Generation:
+        """Queue a request; call from the event loop that will read its result."""
+        if not 1 <= params.n <= self.max_batch_size:
+            raise ValueError(f"n must be between 1 and {self.max_batch_size}")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_context}"
+            )
+        if params.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        generation = Generation(
+            next(self._ids), list(prompt_ids), params, stream, asyncio.get_running_loop()
+        )
+        generation._engine = self
+        with self._cv:
+            if self._closed:
+                raise EngineError("the engine is closed")
+            self._pending.append(generation)
+            self.stats.requests += 1
+            self._cv.notify_all()
+        return generation
+
+    @property
+    def running(self) -> int:
+        """Sequences admitted and not finished."""
+        return self._active
+
+    @property
+    def admitting(self) -> bool:
+        """False while ``paused()`` (a weight update) holds new requests back."""
+        return not self._paused
+
+    def update_weights(
+        self,
+        state_dict: Mapping[str, torch.Tensor] | None,
+        policy_version: int | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Swap in new weights between generations; answers the new policy version.
+
+        Admission stops, running generations finish under the old weights, then the
+        tensors of ``state_dict`` (all or some of the model's) are copied in and
+        ``policy_version`` becomes the given one (default: the current one plus 1).
+        ``state_dict=None`` only bumps the version (weights changed in place by the
+        caller, e.g. a trainer sharing the model, inside ``paused()``).
+        """
+        with self.paused(timeout):
+            if state_dict is not None:
+                self._load(state_dict)
+            self.policy_version = (
+                self.policy_version + 1 if policy_version is None else policy_version
+            )
+            log.info("weights updated: policy_version %d", self.policy_version)
+            return self.policy_version
+
+    @contextmanager
+    def paused(self, timeout: float | None = None) -> Iterator[None]:
+        """Hold admission and wait until no generation runs; the model is the caller's
+        inside the block. Raises ``TimeoutError`` if generations still run after
+        ``timeout`` seconds (admission then resumes)."""
+        with self._cv:
+            self._paused += 1
+            if not self._cv.wait_for(lambda: self._active == 0 or self._closed, timeout):
+                self._paused -= 1
+                self._cv.notify_all()
+                raise TimeoutError(f"generations still running after {timeout} s")
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._paused -= 1
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            pending = list(self._pending)
+            self._pending.clear()
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+        for generation in pending:
+            _call_on_loop(generation, generation._fail, EngineError("the engine is closed"))
+
+    # ------------------------------------------------------------ engine thread
+
+    def _cancel(self, generation: Generation, indices: tuple[int, ...]) -> None:
+        with self._cv:
+            if generation.cancelled and generation in self._pending:
+                self._pending.remove(generation)
+            else:
+                self._cancelled.append((generation, indices))
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        if self._num_threads:
+            # Intra-op threads are per OS thread: set them where the forward runs.
+            torch.set_num_threads(self._num_threads)
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    self._cv.wait_for(self._has_work)
+                    if self._closed:
+                        break
+                    admitted = self._admit()
+                    cancelled, self._cancelled = self._cancelled, []
+                try:
+                    if admitted:
+                        self._prefill(admitted)
+                    # After the prefill: a request cancelled right after admission is in it.
+                    self._drop_cancelled(cancelled)
+                    if self._rows:
+                        self._decode()
+                except Exception as error:  # the model raised: fail what runs, carry on
+                    log.exception("generation failed")
+                    self._fail_running(error, admitted)
+                with self._cv:
+                    self._active = len(self._rows)
+                    if not self._rows:
+                        self._cv.notify_all()
+        self._fail_running(EngineError("the engine is closed"))
+
+    def _has_work(self) -> bool:
+        return (
+            self._closed
+            or bool(self._rows)
+            or bool(self._cancelled)
+            or (bool(self._pending) and not self._paused)
+        )
+
+    def _admit(self) -> list[Generation]:
+        """Waiting requests that fit in the batch, first come first served (guarded)."""
+        if self._paused:
+            return []
+        admitted: list[Generation] = []
+        free = self.max_batch_size - len(self._rows)
+        while self._pending and self._pending[0].params.n <= free:
+            generation = self._pending.popleft()
+            generation.policy_version = self.policy_version
+            admitted.append(generation)
+            free -= generation.params.n
+        self._active += self.max_batch_size - len(self._rows) - free
+        return admitted
+
+    def _drop_cancelled(self, cancelled: list[tuple[Generation, tuple[int, ...]]]) -> None:
+        if not cancelled:
+            return
+        gone = {(g.request_id, i) for g, indices in cancelled for i in indices}
+        self._remove(
+            [
+                b
+                for b, row in enumerate(self._rows)
+                if (row.generation.request_id, row.index) in gone
+            ]
+        )
+
+    def _prefill(self, generations: list[Generation]) -> None:
+        """One forward over the new prompts (left-padded), their first tokens sampled,
+        their KV copied into the running batch (once per prompt, shared by its n rows)."""
+        width = max(len(g.prompt_ids) for g in generations)
+        ids = torch.full((len(generations), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(generations), width), dtype=torch.bool)
+        for j, g in enumerate(generations):
+            ids[j, width - len(g.prompt_ids) :] = torch.tensor(g.prompt_ids)
+            mask[j, width - len(g.prompt_ids) :] = True
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.config)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.stats.forward_passes += 1
+        self.stats.prefill_passes += 1
+        source = torch.tensor(
+            [j for j, g in enumerate(generations) for _ in range(g.params.n)], device=self.device
+        )
+        rows = [
+            _Row(
+                generation=g,
+                index=i,
+                generated=0,
+                max_new=min(g.params.max_tokens, self.max_context - len(g.prompt_ids)),
+                stop_ids=frozenset() if g.params.ignore_eos else self.eos_ids,
+                generator=_seeded(g.params.seed, i, self.device),
+                stream=g._stream,
+            )
+            for g in generations
+            for i in range(g.params.n)
+        ]
+        first = self._slab.rows
+        self._insert(cache, mask, source, [len(g.prompt_ids) for g in generations])
+        self._rows.extend(rows)
+        tokens, logprobs = self._sample(out.logits[:, -1][source], rows)
+        self._next[first : first + len(rows)] = tokens
+        self._finish_step(rows, first, tokens, logprobs)
+
+    def _decode(self) -> None:
+        """One token for every running row, in one forward pass."""
+        s = self._slab
+        if s.end + 1 > s.columns:
+            self._relayout(0)
+        b = s.rows
+        s.mask[:b, s.end] = True
+        out = self.model(
+            input_ids=self._next[:b, None],
+            attention_mask=s.mask[:b, s.start : s.end + 1],
+            position_ids=self._positions[:b, None],
+            past_key_values=s.cache,
+            use_cache=True,
+        )
+        s.end += 1
+        self._positions[:b] += 1
+        self.stats.forward_passes += 1
+        self.stats.decode_steps += 1
+        self.stats.max_running = max(self.stats.max_running, b)
+        tokens, logprobs = self._sample(out.logits[:, -1], self._rows)
+        self._next[:b] = tokens
+        self._finish_step(list(self._rows), 0, tokens, logprobs)
+
+    def _finish_step(
+        self, rows: list[_Row], first: int, tokens: torch.Tensor, logprobs: torch.Tensor
+    ) -> None:
+        """Hand the step's tokens to their generations; finished rows leave the batch."""
+        done: list[int] = []
+        updates: list[_Update] = []
+        for offset, (row, token, logprob) in enumerate(
+            zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)
+        ):
+            row.generated += 1
+            finish = None
+            if token in row.stop_ids:
+                finish = "stop"
+            elif row.generated >= row.max_new:
+                finish = "length"
+            if finish:
+                done.append(first + offset)
+            if row.stream:
+                updates.append((row.generation, row.index, [token], [logprob], finish))
+            else:
+                row.tokens.append(token)
+                row.logprobs.append(logprob)
+                if finish:
+                    updates.append((row.generation, row.index, row.tokens, row.logprobs, finish))
+        self.stats.tokens_generated += len(rows)
+        if updates:
+            self._post(updates)
+        self._remove(done)
+
+    def _post(self, updates: list[_Update]) -> None:
+        """Deliver a step's tokens with one wake-up per event loop (not one per token)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Update]] = {}
+        for update in updates:
+            by_loop.setdefault(update[0]._loop, []).append(update)
+        for loop, batch in by_loop.items():
+            with suppress(RuntimeError):  # that loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(_deliver_batch, batch)
+
+    def _fail_running(self, error: BaseException, admitted: list[Generation] = ()) -> None:
+        running = {g.request_id: g for g in admitted}
+        running.update((row.generation.request_id, row.generation) for row in self._rows)
+        for generation in running.values():
+            _call_on_loop(generation, generation._fail, error)
+        self._rows.clear()
+        self._slab.rows = 0
+        self._slab.start = self._slab.end = 0
+
+    # ------------------------------------------------------------ sampling
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and their logprobs under ``log_softmax(logits / T)`` (T=1 when greedy)."""
+        params = [row.generation.params for row in rows]
+        logits = logits.float()
+        temperature = [p.temperature for p in params]
+        if all(t == 0 for t in temperature):
+            tokens = logits.argmax(-1)
+            logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
+            return tokens, logprobs
+        t = torch.tensor([x if x > 0 else 1.0 for x in temperature], device=logits.device)
+        logp = torch.log_softmax(logits / t[:, None], -1)
+        probs = logp.exp()
+        top_p = [p.top_p for p in params]
+        if any(p < 1 for p in top_p):
+            probs = _top_p(probs, torch.tensor(top_p, device=logits.device))
+        cdf = probs.cumsum(-1)
+        u = torch.rand(len(rows), generator=self._generator, device=logits.device)
+        for b, row in enumerate(rows):
+            if row.generator is not None:
+                u[b] = torch.rand((), generator=row.generator, device=logits.device)
+        tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+        tokens = tokens.clamp_(max=logits.shape[-1] - 1)
+        # Rounding can land on a token top-p removed (or past the end): take the mode.
+        tokens = torch.where(
+            probs.gather(1, tokens[:, None]).squeeze(1) > 0, tokens, probs.argmax(-1)
+        )
+        if any(x == 0 for x in temperature):
+            greedy = torch.tensor([x == 0 for x in temperature], device=logits.device)
+            tokens = torch.where(greedy, logits.argmax(-1), tokens)
+        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+    # ------------------------------------------------------------ the KV slab
+
+    def _allocate(self, like: torch.Tensor, layers: int, columns: int) -> None:
+        """Make the slab's buffers (zeros: stale columns must hold finite numbers)."""
+        s = self._slab
+        shape = (s.capacity, like.shape[1], columns, like.shape[3])
+        s.keys = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(layers)]
+        s.values = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(layers)]
+        s.mask = torch.zeros((s.capacity, columns), dtype=torch.bool, device=like.device)
+        s.columns = columns
+        s.cache = Cache(layers=[_SlabLayer(s, i) for i in range(layers)])
+
+    def _relayout(self, prompt_width: int) -> None:
+        """Move the live window to the left edge so that it has ``prompt_width`` columns
+        before ``end`` and as many again after it (so moves are rare: amortized O(1)
+        column per step); the buffers double when that does not fit."""
+        s = self._slab
+        live = s.end - s.start
+        width = max(live, prompt_width)
+        at = width - live
+        window = [buffer[: s.rows, :, s.start : s.end] for buffer in s.keys + s.values]
+        mask = s.mask[: s.rows, s.start : s.end]
+        if 2 * width + 1 > s.columns:
+            columns = max(s.columns, _INITIAL_COLUMNS)
+            while columns < 2 * width + 1:
+                columns *= 2
+            self._allocate(s.keys[0], len(s.keys), columns)
+        else:  # in place: the window may overlap where it goes, so copy it out first
+            window = [w.clone() for w in window]
+            mask = mask.clone()
+        if s.rows:
+            for buffer, old in zip(s.keys + s.values, window, strict=True):
+                buffer[: s.rows, :, at:width] = old
+            s.mask[: s.rows] = False
+            s.mask[: s.rows, at:width] = mask
+        s.start, s.end = 0, width
+
+    def _insert(
+        self, cache: DynamicCache, mask: torch.Tensor, source: torch.Tensor, lengths: list[int]
+    ) -> None:
+        """Copy prefilled prompts (rows ``source`` of ``cache``) into the slab's new rows."""
+        s = self._slab
+        width = mask.shape[1]
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        if not s.keys:
+            self._allocate(layers[0][0], len(layers), _INITIAL_COLUMNS)
+        if s.rows == 0:
+            s.start = s.end = 0
+        if s.end < width or s.end + 1 > s.columns:
+            self._relayout(width)
+        s.start = min(s.start, s.end - width)
+        lo, hi = s.rows, s.rows + len(source)
+        for layer, (k, v) in enumerate(layers):
+            s.keys[layer][lo:hi, :, s.end - width : s.end] = k[source]
+            s.values[layer][lo:hi, :, s.end - width : s.end] = v[source]
+        s.mask[lo:hi] = False
+        s.mask[lo:hi, s.end - width : s.end] = mask[source]
+        self._positions[lo:hi] = torch.tensor(lengths, device=self.device)[source]
+        s.rows = hi
+
+    def _remove(self, indices: list[int]) -> None:
+        """Drop rows: each is overwritten by the current last row (one row copied)."""
+        if not indices:
+            return
+        s = self._slab
+        for b in sorted(indices, reverse=True):
+            last = s.rows - 1
+            if b != last:
+                for buffer in s.keys + s.values:
+                    buffer[b, :, s.start : s.end] = buffer[last, :, s.start : s.end]
+                s.mask[b] = s.mask[last]
+                self._positions[b] = self._positions[last]
+                self._next[b] = self._next[last]
+                self._rows[b] = self._rows[last]
+            self._rows.pop()
+            s.rows = last
+        if s.rows == 0:
+            s.start = s.end = 0
+            return
+        # Columns no live row attends to leave the window (less attention work).
+        used = s.mask[: s.rows, s.start : s.end].any(0)
+        s.start += int(used.int().argmax())
+
+    # ------------------------------------------------------------ weights
+
+    def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            result = self.model.load_state_dict(dict(state_dict), strict=False)
+        if result.unexpected_keys:
+            raise KeyError(f"not parameters of the model: {result.unexpected_keys[:5]}")
+
+    def _check_full_attention(self) -> None:
+        # The slab keeps every column: a sliding-window layer would attend too far back.
+        types = getattr(self.config, "layer_types", None) or ()
+        if any(t != "full_attention" for t in types):
+            raise NotImplementedError(f"only full-attention models are supported, not {types}")
+
+
+def _deliver_batch(batch: list[_Update]) -> None:
+    woken: dict[int, Generation] = {}
+    for generation, index, tokens, logprobs, finish in batch:
+        generation._deliver(index, tokens, logprobs, finish)
+        if generation._stream or generation.finished:
+            woken[generation.request_id] = generation
+    for generation in woken.values():
+        generation._wake.set()
+
+
+def _call_on_loop(generation: Generation, fn: object, *args: object) -> None:
+    with suppress(RuntimeError):
+        generation._loop.call_soon_threadsafe(fn, *args)  # type: ignore[arg-type]
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tail of each row beyond the smallest set with mass >= top_p."""
+    sorted_probs, order = probs.sort(-1, descending=True)
+    before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above
+    sorted_probs = sorted_probs.masked_fill(before >= top_p[:, None], 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def _seeded(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
+    # Choice i of a seeded request uses seed + i: choices differ, and choice 0 of n
+    # equals the n=1 request with the same seed.
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed + index)
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: object) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def _pad_id(model: torch.nn.Module, tokenizer: object) -> int:
+    for value in (getattr(tokenizer, "pad_token_id", None), model.config.pad_token_id):
+        if isinstance(value, int):
+            return value
+    return 0

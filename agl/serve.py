@@ -1,0 +1,105 @@
+"""``python -m agl.serve model=tiny host=127.0.0.1 port=8001``: the embedded inference server.
+
+An OpenAI-compatible ``/v1/chat/completions`` (vLLM's token-id and logprob extensions
+included) over one model, with batched generation; see ``agl.backends.inference.hf``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from agl.core.cli import parse_or_exit
+
+log = logging.getLogger("agl.serve")
+
+
+@dataclass
+class ServeConfig:
+    model: str = "tiny"
+    host: str = "127.0.0.1"
+    port: int = 8001
+    max_batch_size: int = 32
+    max_context: int = 0  # 0: the model's own
+    cache_dir: str = ""  # converted weights (smollm2); empty: $AGL_CACHE_DIR or ~/.cache/agl
+    seed: int = 0  # the tiny model's weights, and unseeded sampling
+    served_name: str = ""  # the name clients use; empty: the model's name
+    device: str = "auto"  # auto (cuda if present) | cpu | cuda | cuda:N
+    torch_threads: int = 0  # 0: CPUs minus one (one serves HTTP), between 1 and 8
+    log_level: str = "info"
+    access_log: bool = False
+
+
+def _threads(config: ServeConfig) -> int:
+    if config.torch_threads > 0:
+        return config.torch_threads
+    # More threads than this only add synchronization for models this small.
+    return min(8, max(1, (os.cpu_count() or 2) - 1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_or_exit(ServeConfig, sys.argv[1:] if argv is None else argv, "agl.serve")
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # Heavy imports after the command line is checked: a typo answers at once.
+    import torch
+
+    from agl.backends.inference.engine import Engine
+    from agl.backends.inference.hf import create_app
+    from agl.backends.inference.models import ModelUnavailable, load_model
+
+    try:
+        loaded = load_model(
+            config.model,
+            cache_dir=Path(config.cache_dir) if config.cache_dir else None,
+            seed=config.seed,
+        )
+    except (ValueError, ModelUnavailable) as error:
+        sys.stderr.write(f"agl.serve: {error}\n")
+        raise SystemExit(2) from None
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = loaded.model.to(device)
+    engine = Engine(
+        model,
+        loaded.tokenizer,
+        max_batch_size=config.max_batch_size,
+        max_context=config.max_context or loaded.max_context,
+        seed=config.seed,
+        num_threads=_threads(config) if device == "cpu" else None,
+    )
+    name = config.served_name or loaded.name
+    log.info(
+        "serving %s as %r on http://%s:%d/v1 (%s, batch %d, context %d)",
+        loaded.name,
+        name,
+        config.host,
+        config.port,
+        device,
+        config.max_batch_size,
+        engine.max_context,
+    )
+    try:
+        uvicorn.run(
+            create_app(engine, loaded.tokenizer, name),
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=config.access_log,
+            timeout_graceful_shutdown=5,
+            proxy_headers=False,
+            server_header=False,
+        )
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
