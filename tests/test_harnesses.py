@@ -29,7 +29,7 @@ import pytest
 
 from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.records import Rollout
-from agl.testing.processes import GatewayProcess, free_port, gateway_process, wait_healthy
+from agl.testing.processes import GatewayProcess, gateway_process, serve_process
 from tests.harness_tasks import (
     TASK,
     HarnessRun,
@@ -71,32 +71,19 @@ def fake_upstream() -> Iterator[Served]:
 @contextmanager
 def tiny_upstream() -> Iterator[Served]:
     """The embedded inference server on the tiny model, as a process."""
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "agl.serve", "model=tiny", "host=127.0.0.1", f"port={port}"],
-        cwd=ROOT,
-    )
-    try:
-        from agl.backends.inference.models import load_model  # while the server starts
+    from agl.backends.inference.models import load_model
 
-        tokenizer = load_model("tiny").tokenizer
-        wait_healthy(f"http://127.0.0.1:{port}/v1/models", process, timeout_s=60)
+    tokenizer = load_model("tiny").tokenizer
 
-        def decode(ids: list[int], finish_reason: str | None) -> str:
-            # vLLM's convention: the eos that ended the answer is sampled (and recorded)
-            # but not text; other special tokens (<tool_call>, ...) are text.
-            if ids and ids[-1] == tokenizer.eos_token_id:
-                ids = ids[:-1]
-            return tokenizer.decode(ids, skip_special_tokens=False)
+    def decode(ids: list[int], finish_reason: str | None) -> str:
+        # vLLM's convention: the eos that ended the answer is sampled (and recorded)
+        # but not text; other special tokens (<tool_call>, ...) are text.
+        if ids and ids[-1] == tokenizer.eos_token_id:
+            ids = ids[:-1]
+        return tokenizer.decode(ids, skip_special_tokens=False)
 
-        yield Served(f"http://127.0.0.1:{port}/v1", "tiny", decode)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+    with serve_process("tiny") as server:
+        yield Served(server.url, server.model, decode)
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ from agl.backends.inference.hf import (
 )
 from agl.backends.inference.models import LoadedModel, load_model
 from agl.core.client import GatewayClient, proxy_base_url
-from agl.testing.processes import free_port, gateway_process, wait_healthy
+from agl.testing.processes import free_port, gateway_process, serve_process
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
 TOOLS = [
@@ -659,17 +659,10 @@ def test_the_command_line_serves() -> None:
         [sys.executable, "-m", "agl.serve", "prot=1"], capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "prot" in bad.stderr
-    port = free_port()
-    args = [f"port={port}", "max_batch_size=4", "torch_threads=1", "log_level=warning"]
-    process = subprocess.Popen([sys.executable, "-m", "agl.serve", *args])
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", process, timeout_s=90)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+    with serve_process(max_batch_size=4, torch_threads=1, log_level="warning") as server:
+        client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0)
         answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
         assert answer.model == "tiny" and answer.usage.completion_tokens >= 1
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 # ------------------------------------------------------------------ through the gateway

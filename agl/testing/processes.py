@@ -74,3 +74,32 @@ def gateway_process(
         yield gateway
     finally:
         gateway.stop()
+
+
+@dataclass
+class ServeProcess:
+    url: str  # the OpenAI base URL, ending in /v1
+    model: str  # the served name
+    process: subprocess.Popen[bytes]
+
+
+@contextmanager
+def serve_process(
+    model: str = "tiny", port: int | None = None, timeout_s: float = 120.0, **options: object
+) -> Iterator[ServeProcess]:
+    """``python -m agl.serve model=...`` on a free port; stopped on exit."""
+    port = port or free_port()
+    args = [f"model={model}", f"port={port}", *(f"{k}={v}" for k, v in options.items())]
+    process = subprocess.Popen([sys.executable, "-m", "agl.serve", *args])
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", process, timeout_s=timeout_s)
+        served = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+        yield ServeProcess(f"http://127.0.0.1:{port}/v1", served["data"][0]["id"], process)
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
