@@ -33,6 +33,7 @@ import orjson
 from agl.core.client import GatewayClient, proxy_base_url
 from agl.testing.processes import free_port, gateway_process, wait_healthy
 from bench.reference_gateway import ensure_reference_venv, start_reference_gateway
+from bench.tables import table
 
 REFERENCE_VENV = Path(
     os.environ.get("AGL_REFERENCE_VENV", Path(tempfile.gettempdir()) / "agl-ref-venv")
@@ -168,12 +169,8 @@ def agl_targets(
     return chat, events
 
 
-def table(title: str, header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
-    return "\n".join(
-        [f"\n{title}", line(header), line(["-" * w for w in widths]), *map(line, rows)]
-    )
+def titled(title: str, header: list[str], rows: list[list[str]]) -> str:
+    return f"\n{title}\n{table(header, rows)}"
 
 
 def run(seconds: float, concurrency: list[int], with_reference: bool) -> None:
@@ -251,7 +248,7 @@ def report(
                 ]
             )
     print(
-        table(
+        titled(
             f"Proxied chat calls ({seconds:.0f} s per cell; CPU = target process only)",
             [
                 "agents",
@@ -284,7 +281,7 @@ def report(
                 ]
             )
     print(
-        table(
+        titled(
             "Event POSTs",
             ["agents", "target", "events/s", "p50 ms", "p99 ms", "CPU ms/event", "errors"],
             rows,
@@ -306,7 +303,7 @@ def report(
                 row.append("-")
             rows.append(row)
         print(
-            table(
+            titled(
                 "agl vs reference (durable SQLite vs in-memory store)",
                 ["agents", "chat calls/s", "chat p50 speed-up", "events/s"],
                 rows,

@@ -29,6 +29,7 @@ from agl.core.types import BreakReason, ModelCall, Sample
 from agl.testing.retok import load_tokenizer
 from agl.testing.retok.traces import MECHANISMS, generate_traces
 from bench import schedule as schedule_bench
+from bench.tables import table
 
 SETTINGS: list[tuple[str, frozenset[str]]] = [
     ("none", frozenset()),
@@ -56,15 +57,6 @@ def run_setting(
     started = time.perf_counter()
     out = [merge(dedup(calls), f"r{i}", "g", **options) for i, calls in enumerate(rollouts)]
     return out, time.perf_counter() - started
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
-
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
 def report(n_rollouts: int, seed: int) -> str:
