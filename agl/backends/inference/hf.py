@@ -39,6 +39,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from agl.backends.inference.engine import Engine, EngineError, Generation, SamplingParams
+from agl.core.byte_level import byte_level_chars
 from agl.core.errors import ApiError, error_response
 
 log = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ class TokenCodec:
         self._added = {v: k for k, v in tokenizer.get_added_vocab().items()}
         decoder = getattr(backend, "decoder", None)
         self._byte_level = type(decoder).__name__ == "ByteLevel"
-        self._byte_of = {ch: b for b, ch in enumerate(_byte_level_chars())}
+        self._byte_of = {ch: b for b, ch in enumerate(byte_level_chars())}
         self._entries: dict[int, tuple[str, list[int]]] = {}
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -257,18 +258,6 @@ class TokenCodec:
                     raw = bytes(self._byte_of[ch] for ch in piece)
             found = self._entries[token_id] = (text, list(raw))
         return found
-
-
-def _byte_level_chars() -> list[str]:
-    """GPT-2's byte-to-unicode table, indexed by byte (the alphabet byte-level BPE uses)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
 
 
 class Detokenizer:

@@ -40,6 +40,7 @@ from transformers import (
 )
 
 from agl.testing.retok import TOKENIZER_PATH
+from agl.testing.retok.template import TOOLS_POSTAMBLE, TOOLS_PREAMBLE
 
 logger = logging.getLogger(__name__)
 
@@ -88,16 +89,6 @@ def load_model(name: str, cache_dir: Path | None = None, seed: int = 0) -> Loade
 
 
 # --------------------------------------------------------------------------- chat template
-
-_TOOLS_PREAMBLE = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-_TOOLS_POSTAMBLE = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-)
 
 # Qwen3's template reduced to what agl relies on (see agl/testing/retok/template.py, which
 # renders the same text in Python): ChatML blocks, tools in the system message, tool calls
@@ -181,8 +172,8 @@ def chat_template(default_system: str | None = None) -> str:
     """
     header = (
         f"{{%- set default_system = {_jinja_string(default_system)} -%}}\n"
-        f"{{%- set tools_preamble = {_jinja_string(_TOOLS_PREAMBLE)} -%}}\n"
-        f"{{%- set tools_postamble = {_jinja_string(_TOOLS_POSTAMBLE)} -%}}"
+        f"{{%- set tools_preamble = {_jinja_string(TOOLS_PREAMBLE)} -%}}\n"
+        f"{{%- set tools_postamble = {_jinja_string(TOOLS_POSTAMBLE)} -%}}"
     )
     return header + _TEMPLATE_BODY
 

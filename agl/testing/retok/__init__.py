@@ -19,6 +19,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from agl.core.byte_level import byte_level_chars
+
 TOKENIZER_PATH = Path(__file__).with_name("tokenizer.json")
 
 # Qwen's chat specials; the two tool_response tags are added tokens in Qwen as well.
@@ -83,7 +85,7 @@ class RetokTokenizer:
 
     @cached_property
     def _bytes_of(self) -> list[bytes]:
-        byte_of = {ch: i for i, ch in enumerate(_byte_level_chars())}
+        byte_of = {ch: i for i, ch in enumerate(byte_level_chars())}
         out: list[bytes] = []
         for token_id in range(self.vocab_size):
             if token_id in self._specials:
@@ -131,18 +133,6 @@ class RetokTokenizer:
             i = rng.choice(positions)
             out[i : i + 1] = rng.choice(self._splits[out[i]])
         return out
-
-
-def _byte_level_chars() -> list[str]:
-    """GPT-2's byte-to-unicode table, indexed by byte (the alphabet ByteLevel BPE spells with)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
 
 
 @cache

@@ -26,11 +26,11 @@ THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE_START, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
 
-_TOOLS_PREAMBLE = (
+TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
 )
-_TOOLS_POSTAMBLE = (
+TOOLS_POSTAMBLE = (
     "\n</tools>\n\nFor each function call, return a json object with function name and "
     "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
@@ -111,7 +111,7 @@ def _system_block(system: str | None, tools: Sequence[Mapping[str, Any]] | None)
         return f"{IM_START}system\n{system}{IM_END}\n" if system is not None else ""
     lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
     head = f"{system}\n\n" if system else ""
-    return f"{IM_START}system\n{head}{_TOOLS_PREAMBLE}{lines}{_TOOLS_POSTAMBLE}{IM_END}\n"
+    return f"{IM_START}system\n{head}{TOOLS_PREAMBLE}{lines}{TOOLS_POSTAMBLE}{IM_END}\n"
 
 
 def render(
