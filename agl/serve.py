@@ -67,14 +67,18 @@ def main(argv: list[str] | None = None) -> None:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model = loaded.model.to(device)
-    engine = Engine(
-        model,
-        loaded.tokenizer,
-        max_batch_size=config.max_batch_size,
-        max_context=config.max_context or loaded.max_context,
-        seed=config.seed,
-        num_threads=_threads(config) if device == "cpu" else None,
-    )
+    try:
+        engine = Engine(
+            model,
+            loaded.tokenizer,
+            max_batch_size=config.max_batch_size,
+            max_context=config.max_context or loaded.max_context,
+            seed=config.seed,
+            num_threads=_threads(config) if device == "cpu" else None,
+        )
+    except ValueError as error:
+        sys.stderr.write(f"agl.serve: {error}\n")
+        raise SystemExit(2) from None
     name = config.served_name or loaded.name
     log.info(
         "serving %s as %r on http://%s:%d/v1 (%s, batch %d, context %d)",

@@ -697,3 +697,14 @@ def test_calls_through_the_gateway_proxy_are_recorded(served: Served, tmp_path: 
         assert event["policy_version"] == 4
         want = teacher_forced(served.loaded.model, event["prompt_ids"], ids, 1.0)
         assert max(abs(a - b) for a, b in zip(event["logprobs"], want, strict=True)) < TOLERANCE
+
+
+def test_impossible_engine_options_fail_in_one_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "agl.serve", "max_batch_size=0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "max_batch_size must be at least 1" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -269,6 +269,10 @@ class Engine:
         seed: int = 0,
         num_threads: int | None = None,
     ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, not {max_batch_size}")
+        if max_context is not None and max_context < 1:
+            raise ValueError(f"max_context must be at least 1, not {max_context}")
         self.model = model.eval()
         self.config = model.config
         self.device = next(model.parameters()).device
@@ -702,7 +706,7 @@ class Engine:
         # The slab keeps every column: a sliding-window layer would attend too far back.
         types = getattr(self.config, "layer_types", None) or ()
         if any(t != "full_attention" for t in types):
-            raise NotImplementedError(f"only full-attention models are supported, not {types}")
+            raise ValueError(f"only full-attention models are supported, not {types}")
 
 
 def _deliver_batch(batch: list[_Update]) -> None:
