@@ -14,7 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
-from agl.core.cli import parse_or_exit
+from agl.core.cli import check_port, parse_or_exit
 
 log = logging.getLogger("agl.serve")
 
@@ -33,6 +33,9 @@ class ServeConfig:
     torch_threads: int = 0  # 0: CPUs minus one (one serves HTTP), between 1 and 8
     log_level: str = "info"
     access_log: bool = False
+
+    def __post_init__(self) -> None:
+        check_port(self.port)
 
 
 def _threads(config: ServeConfig) -> int:

@@ -21,6 +21,8 @@ from agl.testing.processes import free_port, wait_healthy
         (["colour=blue"], "unknown option 'colour'"),
         (["port"], "expected key=value"),
         (["access_log=maybe"], "not a valid bool"),
+        (["port=99999"], "port=99999 is not a TCP port"),
+        (["max_body_mb=0"], "must be positive"),
     ],
 )
 def test_bad_options_fail_in_one_line(args: list[str], message: str) -> None:

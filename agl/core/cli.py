@@ -31,7 +31,15 @@ def parse_overrides(config_type: type[C], argv: list[str]) -> C:
         if key not in fields:
             raise UsageError(f"unknown option {key!r}; options: {', '.join(fields)}")
         values[key] = _convert(key, raw, hints[key])
-    return config_type(**values)
+    try:
+        return config_type(**values)
+    except ValueError as error:  # the config's own checks (__post_init__)
+        raise UsageError(str(error)) from None
+
+
+def check_port(port: int) -> None:
+    if not 0 < port < 65536:
+        raise ValueError(f"port={port} is not a TCP port (1-65535)")
 
 
 def _convert(key: str, raw: str, kind: Any) -> Any:

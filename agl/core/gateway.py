@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agl.core.admission import AdmissionGate
 from agl.core.auth import Keyring, Principal, bearer
+from agl.core.cli import check_port
 from agl.core.errors import ApiError, error_response
 from agl.core.lifecycle import IllegalTransition
 from agl.core.proxy import RecordingProxy
@@ -68,6 +69,11 @@ class GatewayConfig:
     fsync: bool = False  # also survive power loss, not only kill -9 (an fsync per commit)
     access_log: bool = False
     log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        check_port(self.port)
+        if self.max_body_mb <= 0:
+            raise ValueError(f"max_body_mb={self.max_body_mb} must be positive")
 
     @property
     def store_url(self) -> str:
