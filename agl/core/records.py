@@ -7,7 +7,7 @@ the client parses answers into them, so the two cannot drift apart.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -114,11 +114,3 @@ class Admission(BaseModel):
     in_flight: int
     waiting: int = 0
     drained: bool = True
-
-
-T = TypeVar("T")
-
-
-class Page(BaseModel, Generic[T]):
-    items: list[T]
-    next_cursor: str | None = None
