@@ -1,0 +1,127 @@
+"""What an agent harness gets from agl, and how it reports back: ``AgentContext``.
+
+A harness sees only its environment, as any harness would: the OpenAI base URL of its
+attempt's proxy and its attempt key as ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``, plus its
+rollout's input and where to report. The same variables reach a command harness (a
+process per attempt) and a Python entry point run by a worker process (``module:function``
+called with the mapping), so one harness runs either way::
+
+    async def run(env: Mapping[str, str]) -> None:
+        agent = AgentContext.from_env(env)
+        client = openai.AsyncOpenAI(base_url=agent.base_url, api_key=agent.api_key)
+        ...
+        await agent.finish(reward=1.0)
+
+``finish`` posts the reward event and sets the attempt's status; both are idempotent, so
+a retried report changes nothing. An attempt that ends without ``finish`` is failed by
+the controller ("agent exited without reporting a status").
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from agl.core.client import AsyncGatewayClient, proxy_base_url
+from agl.core.records import EventIn, Status
+
+ENV_BASE_URL = "OPENAI_BASE_URL"
+ENV_API_KEY = "OPENAI_API_KEY"
+ENV_MODEL = "AGL_MODEL"
+ENV_GATEWAY = "AGL_GATEWAY_URL"
+ENV_ROLLOUT = "AGL_ROLLOUT_ID"
+ENV_ATTEMPT = "AGL_ATTEMPT"
+ENV_MODE = "AGL_MODE"
+ENV_INPUT = "AGL_INPUT"
+
+
+class AgentEnvError(ValueError):
+    """The environment lacks a variable an agent needs, or holds a malformed one."""
+
+
+@dataclass(frozen=True)
+class AgentContext:
+    gateway_url: str
+    rollout_id: str
+    attempt: int
+    mode: str
+    model: str
+    api_key: str
+    input: Any
+
+    @property
+    def base_url(self) -> str:
+        """The attempt's OpenAI base URL (the gateway's recording proxy)."""
+        return proxy_base_url(self.gateway_url, self.rollout_id, self.attempt, self.mode)
+
+    def to_env(self) -> dict[str, str]:
+        return {
+            ENV_BASE_URL: self.base_url,
+            ENV_API_KEY: self.api_key,
+            ENV_MODEL: self.model,
+            ENV_GATEWAY: self.gateway_url,
+            ENV_ROLLOUT: self.rollout_id,
+            ENV_ATTEMPT: str(self.attempt),
+            ENV_MODE: self.mode,
+            ENV_INPUT: json.dumps(self.input),
+        }
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> AgentContext:
+        missing = [
+            name
+            for name in (ENV_API_KEY, ENV_GATEWAY, ENV_ROLLOUT, ENV_ATTEMPT, ENV_INPUT)
+            if name not in env
+        ]
+        if missing:
+            raise AgentEnvError(f"the agent's environment lacks {', '.join(missing)}")
+        try:
+            attempt = int(env[ENV_ATTEMPT])
+            data = json.loads(env[ENV_INPUT])
+        except ValueError as error:
+            raise AgentEnvError(f"malformed {ENV_ATTEMPT} or {ENV_INPUT}: {error}") from None
+        return cls(
+            gateway_url=env[ENV_GATEWAY],
+            rollout_id=env[ENV_ROLLOUT],
+            attempt=attempt,
+            mode=env.get(ENV_MODE, "train"),
+            model=env.get(ENV_MODEL, ""),
+            api_key=env[ENV_API_KEY],
+            input=data,
+        )
+
+    def client(self, http: httpx.AsyncClient | None = None) -> AsyncGatewayClient:
+        """A gateway client holding this attempt's key (it can touch this attempt only)."""
+        return AsyncGatewayClient(self.gateway_url, self.api_key, http=http)
+
+    async def finish(
+        self,
+        reward: float | None = None,
+        error: str | None = None,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        """Report the reward (if any), then the attempt's end: succeeded, or failed with
+        ``error``. Event ids are derived from the attempt, so a repeated ``finish``
+        appends nothing."""
+        gateway = self.client(http)
+        try:
+            if reward is not None:
+                event = EventIn(
+                    event_id=_event_id(self.rollout_id, self.attempt, "reward"),
+                    type="reward",
+                    data={"value": float(reward)},
+                )
+                await gateway.post_events(self.rollout_id, self.attempt, [event])
+            status = Status.FAILED if error is not None else Status.SUCCEEDED
+            await gateway.patch_attempt(self.rollout_id, self.attempt, status, error=error)
+        finally:
+            await gateway.close()
+
+
+def _event_id(rollout_id: str, attempt: int, name: str) -> str:
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"agl:{rollout_id}:{attempt}:{name}"))
