@@ -1,0 +1,158 @@
+"""Watches submitted rollouts through the gateway until each is final, then reads its calls
+and reward: the trainer's view of the rollout side.
+
+A rollout is *final* when it succeeded, or failed with no attempt left (a failed rollout
+with attempts left is about to be re-queued by the controller, so it is still pending).
+A group is *complete* when all its rollouts are final.
+
+Per poll: one paged list of the non-final rollouts (bounded by what is in flight), then a
+GET of each submitted rollout that left that list, and the events of those that are final.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from agl.core.assemble import FinishedRollout
+from agl.core.calls import calls_from_events
+from agl.core.client import AsyncGatewayClient
+from agl.core.records import Event, Rollout, RolloutSpec, Status
+
+log = logging.getLogger(__name__)
+
+_ACTIVE = (Status.QUEUING, Status.RUNNING)
+
+
+@dataclass
+class Group:
+    group_id: str
+    mode: str
+    members: list[str]
+    finished: dict[str, FinishedRollout] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.finished) == len(self.members)
+
+    def rollouts(self) -> list[FinishedRollout]:
+        return [self.finished[r] for r in self.members]
+
+
+class Collector:
+    def __init__(self, client: AsyncGatewayClient, poll_s: float = 0.1) -> None:
+        self.client = client
+        self.poll_s = poll_s
+        self.groups: dict[str, Group] = {}
+        self._group_of: dict[str, str] = {}
+        self._pending: set[str] = set()
+        self._completed: list[str] = []  # complete groups, in completion order, not yet taken
+
+    async def submit(self, specs: Sequence[RolloutSpec]) -> None:
+        """Create rollouts (idempotent: ids that exist are left as they are) and watch them."""
+        if not specs:
+            return
+        await self.client.create_rollouts(specs)
+        for spec in specs:
+            group = self.groups.setdefault(spec.group_id, Group(spec.group_id, spec.mode, []))
+            if spec.rollout_id not in self._group_of:
+                group.members.append(spec.rollout_id)
+                self._group_of[spec.rollout_id] = spec.group_id
+                self._pending.add(spec.rollout_id)
+
+    def forget(self, group_ids: Sequence[str]) -> None:
+        """Stop tracking groups (trained on, or already counted before a resume)."""
+        for gid in group_ids:
+            group = self.groups.pop(gid, None)
+            if group is None:
+                continue
+            for rid in group.members:
+                self._pending.discard(rid)
+                self._group_of.pop(rid, None)
+        dropped = set(group_ids)
+        self._completed = [g for g in self._completed if g not in dropped]
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def take_complete(self, mode: str, limit: int | None = None) -> list[Group]:
+        """Complete groups of ``mode`` (oldest completion first), removed from tracking."""
+        chosen = [g for g in self._completed if self.groups[g].mode == mode][:limit]
+        taken = [self.groups[g] for g in chosen]
+        self.forget(chosen)
+        return taken
+
+    def complete_count(self, mode: str) -> int:
+        return sum(self.groups[g].mode == mode for g in self._completed)
+
+    def outstanding(self, mode: str) -> int:
+        """Groups of ``mode`` still tracked (running or complete and not yet taken)."""
+        return sum(g.mode == mode for g in self.groups.values())
+
+    async def poll(self) -> int:
+        """One pass; answers how many rollouts became final."""
+        if not self._pending:
+            return 0
+        active = await self._active_ids()
+        left = [rid for rid in self._pending if rid not in active]
+        rollouts = await asyncio.gather(*(self.client.get_rollout(rid) for rid in left))
+        final = [r for r in rollouts if _is_final(r)]
+        events = await asyncio.gather(
+            *(self.client.get_events(r.rollout_id, attempt=r.attempt) for r in final)
+        )
+        for rollout, evs in zip(final, events, strict=True):
+            self._finish(rollout, evs)
+        return len(final)
+
+    async def wait(self, done: Callable[[], bool], timeout_s: float | None = None) -> None:
+        """Poll until ``done()`` is true."""
+        deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+        while not done():
+            if deadline is not None and asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"rollouts still pending after {timeout_s} s")
+            if not await self.poll():
+                await asyncio.sleep(self.poll_s)
+
+    async def _active_ids(self) -> set[str]:
+        active = await self.client.list_rollouts(status=_ACTIVE, page_size=1000)
+        return {r.rollout_id for r in active}
+
+    def _finish(self, rollout: Rollout, events: list[Event]) -> None:
+        rid = rollout.rollout_id
+        if rid not in self._pending:
+            return
+        self._pending.discard(rid)
+        rewards = [e for e in events if e.type == "reward"]
+        reward = None
+        if rewards:
+            value = max(rewards, key=lambda e: e.sequence).data
+            reward = _reward_value(value)
+        finished = FinishedRollout(
+            rollout_id=rid,
+            group_id=rollout.group_id,
+            mode=rollout.mode,
+            status=rollout.status,
+            reward=reward,
+            calls=calls_from_events(events),
+            error=rollout.error,
+        )
+        group = self.groups[self._group_of[rid]]
+        group.finished[rid] = finished
+        if group.complete:
+            self._completed.append(group.group_id)
+
+
+def _is_final(rollout: Rollout) -> bool:
+    if rollout.status is Status.SUCCEEDED:
+        return True
+    return rollout.status is Status.FAILED and rollout.attempt >= rollout.max_attempts
+
+
+def _reward_value(data: object) -> float | None:
+    if isinstance(data, dict) and isinstance(data.get("value"), int | float):
+        return float(data["value"])
+    log.warning("ignoring a malformed reward event: %r", data)
+    return None

@@ -1,0 +1,73 @@
+"""A task as configured in ``conf/task/<name>.yaml``: where its harness, data and warm-up
+live (``module:function`` strings, imported from the experiments folder), and the options
+they share."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def load_callable(spec: str, root: Path | None = None) -> Callable[..., Any]:
+    """``"package.module:function"`` → the function (``root`` goes on ``sys.path`` first)."""
+    module_name, sep, name = spec.partition(":")
+    if not sep or not module_name or not name:
+        raise ValueError(f"{spec!r} is not of the form module:function")
+    if root is not None and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"cannot import {module_name!r} (for {spec!r}): {error}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"{module_name!r} has no function {name!r}")
+    return function
+
+
+@dataclass
+class TaskConfig:
+    name: str
+    harness: str
+    train_inputs: str
+    val_inputs: str
+    warmup: str | None = None
+    warmup_options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 60.0
+
+
+class Task:
+    """The trainer's view of a task (``agl.core.trainer.Task``)."""
+
+    def __init__(self, config: TaskConfig, root: Path, seed: int = 0) -> None:
+        self.config = config
+        self.root = root
+        self.seed = seed
+        self._train = load_callable(config.train_inputs, root)
+        self._val = load_callable(config.val_inputs, root)
+        self._warmup = load_callable(config.warmup, root) if config.warmup else None
+
+    def train_inputs(self, batch: int, n: int) -> list[Any]:
+        inputs = self._train(batch, n, self.seed, **self.config.options)
+        return [self._with_sampling(x) for x in inputs]
+
+    def val_inputs(self, n: int) -> list[Any]:
+        return [self._with_sampling(x) for x in self._val(n, **self.config.options)]
+
+    def warm_up(self, model: Any, tokenizer: Any) -> Mapping[str, float] | None:
+        if self._warmup is None:
+            return None
+        options = {**self.config.options, **self.config.warmup_options}
+        options.setdefault("seed", self.seed)
+        return self._warmup(model, tokenizer, **options)
+
+    def _with_sampling(self, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {**self.config.sampling, **data}
+        return data
