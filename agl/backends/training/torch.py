@@ -1,0 +1,536 @@
+"""The embedded training backend: PPO-clip on packed sequences, one HF model, AdamW.
+
+One ``train()`` call is one training step. The step is cut by :func:`agl.core.schedule.schedule`
+into optimizer mini-batches (a rollout's samples stay in one) and micro-batches (packed up to
+``max_tokens_per_micro_batch`` tokens); each mini-batch is one AdamW update, its gradient
+accumulated over its micro-batches.
+
+Invariants:
+  - **Exact accumulation.** The loss strategy's per-token weights are computed once per
+    mini-batch, over that mini-batch's samples, so ``loss = Σ weight · token_loss`` summed
+    over micro-batches equals the loss of the whole mini-batch, however it is packed.
+  - **Exact packing.** A micro-batch is ONE row without padding: samples are concatenated,
+    the 4D additive attention mask is block-diagonal (no token sees another sample), and
+    position ids restart at 0 per sample. Tree samples bring their branch-aware ancestor
+    block and their own position ids. So every token's logprob equals the one it gets when
+    its sample runs alone (tested to 1e-5).
+  - A token's logprob is read at its parent's logits (linear: the previous token; tree:
+    ``parents[i]``); a root token has no parent, so nothing predicts it and it is never
+    trained.
+  - Logits are computed only for the rows that predict trained tokens (action tokens with a
+    nonzero weight), never for the whole ``[T, vocab]``.
+  - The model is the caller's object, updated in place (the embedded inference engine
+    shares it); its train/eval mode is restored after each step.
+
+Token loss (verl's ``compute_policy_loss``, vanilla PPO): with ``ratio = exp(logp_new -
+logp_behaviour)`` and the sample's advantage ``A``,
+``token_loss = max(-A·ratio, -A·clip(ratio, 1 - clip_low, 1 + clip_high))``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import transformers
+
+from agl.backends.training.tree import ancestor_mask
+from agl.core.schedule import MiniBatch, schedule
+from agl.core.types import Sample
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[list[Sample]], list[list[float]]]
+
+# verl clamps the log-ratio before exp: beyond e^±20 the token is clipped anyway (or its
+# loss is hopeless), and an inf ratio would turn the whole step into NaN.
+_MAX_LOG_RATIO = 20.0
+
+
+@dataclass
+class TorchBackendConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0  # max grad norm; 0 = off
+    clip_low: float = 0.2  # PPO ratio clip: [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2
+    # Optimizer updates per train() call; every one after the first is off-policy, which
+    # is what the ratio clip is for.
+    num_mini_batches: int = 1
+    # Packing cap (memory); gradients accumulate over the micro-batches of a mini-batch.
+    max_tokens_per_micro_batch: int = 4096
+    device: str = "cpu"
+
+
+# --- packing ------------------------------------------------------------------------------
+
+
+def parents_of(sample: Sample) -> list[int]:
+    """Each token's parent index: the tree's own, else the previous token (-1 = root)."""
+    if sample.parents is not None:
+        return list(sample.parents)
+    return list(range(-1, len(sample.tokens) - 1))
+
+
+def positions_of(sample: Sample) -> list[int]:
+    if sample.position_ids is not None:
+        return list(sample.position_ids)
+    return list(range(len(sample.tokens)))
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One micro-batch as a single row, and which logits rows to read.
+
+    ``rows[k]`` is the row (in the packed sequence) whose logits predict ``targets[k]``,
+    the ``k``-th selected token; it is token ``token_index[k]`` of sample
+    ``sample_index[k]`` (an index into the packed list).
+    """
+
+    input_ids: torch.Tensor  # [1, T] long
+    position_ids: torch.Tensor  # [1, T] long
+    attention_mask: torch.Tensor  # [1, 1, T, T] additive: 0 allowed, finfo.min blocked
+    rows: torch.Tensor  # [K] long
+    targets: torch.Tensor  # [K] long
+    sample_index: list[int]
+    token_index: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def block_mask(samples: Sequence[Sample], device: torch.device | str) -> torch.Tensor:
+    """``[T, T]`` bool: causal within each sample (ancestors for a tree), nothing across."""
+    lengths = torch.tensor([len(s.tokens) for s in samples], device=device)
+    segment = torch.repeat_interleave(torch.arange(len(samples), device=device), lengths)
+    allowed = (segment[:, None] == segment[None, :]).tril_()
+    offset = 0
+    for s in samples:
+        n = len(s.tokens)
+        if s.parents is not None:
+            allowed[offset : offset + n, offset : offset + n] = ancestor_mask(s.parents).to(device)
+        offset += n
+    return allowed
+
+
+def pack(
+    samples: Sequence[Sample],
+    selected: Sequence[Sequence[int]],
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> Packed:
+    """Concatenate ``samples`` into one row; ``selected[j]`` lists the token indices of
+    sample ``j`` whose logprobs are wanted (each must have a parent)."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    rows: list[int] = []
+    targets: list[int] = []
+    sample_index: list[int] = []
+    token_index: list[int] = []
+    for j, (s, chosen) in enumerate(zip(samples, selected, strict=True)):
+        offset = len(tokens)
+        parents = parents_of(s)
+        for i in chosen:
+            if parents[i] < 0:
+                raise ValueError(f"token {i} is a root: nothing predicts it")
+            rows.append(offset + parents[i])
+            targets.append(s.tokens[i])
+            sample_index.append(j)
+            token_index.append(i)
+        tokens.extend(s.tokens)
+        positions.extend(positions_of(s))
+    allowed = block_mask(samples, device)
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    bias.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return Packed(
+        input_ids=torch.tensor([tokens], device=device),
+        position_ids=torch.tensor([positions], device=device),
+        attention_mask=bias[None, None],
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
+        targets=torch.tensor(targets, dtype=torch.long, device=device),
+        sample_index=sample_index,
+        token_index=token_index,
+    )
+
+
+def selected_logits(model: transformers.PreTrainedModel, packed: Packed) -> torch.Tensor:
+    """``[K, V]`` logits (float32 or wider) at ``packed.rows`` only.
+
+    ``logits_to_keep`` given as an index tensor makes the HF causal-LM head (Qwen2, Llama,
+    ...) project just those hidden states, and keeps any model-specific logit processing
+    that calling ``lm_head`` by hand would skip.
+    """
+    out = model(
+        input_ids=packed.input_ids,
+        attention_mask=packed.attention_mask,
+        position_ids=packed.position_ids,
+        use_cache=False,
+        logits_to_keep=packed.rows,
+    )
+    logits = out.logits[0]
+    # log_softmax in fp32 at least, even for a bf16 model (fp64 stays fp64).
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _model_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
+    parameter = next(model.parameters())
+    return parameter.device, parameter.dtype
+
+
+def packed_logprobs(
+    model: transformers.PreTrainedModel, samples: Sequence[Sample]
+) -> list[torch.Tensor]:
+    """Per sample, the logprob of every token from ONE packed forward (0 for roots).
+
+    Runs under the caller's grad mode and the model's current train/eval mode.
+    """
+    device, dtype = _model_device_dtype(model)
+    selected = [[i for i, p in enumerate(parents_of(s)) if p >= 0] for s in samples]
+    packed = pack(samples, selected, device, dtype)
+    if not packed.token_index:
+        return [torch.zeros(len(s.tokens), device=device) for s in samples]
+    logprobs = torch.log_softmax(selected_logits(model, packed), dim=-1)
+    picked = logprobs.gather(-1, packed.targets[:, None]).squeeze(-1)
+    # pack() lists the selected tokens sample by sample, so one split gives each its share.
+    shares = picked.split([len(c) for c in selected])
+    out = []
+    for s, chosen, share in zip(samples, selected, shares, strict=True):
+        index = torch.tensor(chosen, dtype=torch.long, device=device)
+        out.append(
+            torch.zeros(len(s.tokens), dtype=picked.dtype, device=device).index_put((index,), share)
+        )
+    return out
+
+
+# --- the loss -----------------------------------------------------------------------------
+
+
+def ppo_clip_loss(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss, the ratio, and where the clip bound (the clipped term was
+    selected and is strictly larger, so that token has no gradient)."""
+    log_ratio = (logp_new - logp_old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), ratio, clipped > unclipped
+
+
+def entropy_of(logprobs: torch.Tensor) -> torch.Tensor:
+    """``[K]`` entropy of each row of ``[K, V]`` log-probabilities."""
+    return -(logprobs.exp() * logprobs).sum(-1)
+
+
+def k3(logp_new: torch.Tensor, logp_old: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(behaviour || current), ``exp(d) - d - 1`` ≥ 0."""
+    d = (logp_old - logp_new).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return torch.exp(d) - d - 1.0
+
+
+# --- metrics ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Stats:
+    """Running sums over trained tokens and mini-batches of one step."""
+
+    tokens_trained: int = 0
+    tokens_computed: int = 0
+    micro_batches: int = 0
+    entropy: float = 0.0
+    clipped: float = 0.0
+    kl: float = 0.0
+    ratio: float = 0.0
+    mismatch: float = 0.0
+    mismatch_tokens: int = 0
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+    def metrics(self, mini_batches: int, train_s: float) -> dict[str, float]:
+        per_token = max(self.tokens_trained, 1)  # no trained token: report 0, not NaN
+        return {
+            "loss": _mean(self.losses),
+            "entropy": self.entropy / per_token,
+            "clip_fraction": self.clipped / per_token,
+            "kl_behaviour": self.kl / per_token,
+            "logprob_mismatch": self.mismatch / max(self.mismatch_tokens, 1),
+            "ratio_mean": self.ratio / per_token,
+            "grad_norm": _mean(self.grad_norms),
+            "tokens_computed": float(self.tokens_computed),
+            "tokens_trained": float(self.tokens_trained),
+            "micro_batches": float(self.micro_batches),
+            "mini_batches": float(mini_batches),
+            "train_s": train_s,
+        }
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+# --- the backend --------------------------------------------------------------------------
+
+
+class TorchBackend:
+    """PPO-clip training of ``model`` in place (see the module doc for the invariants)."""
+
+    def __init__(self, model: transformers.PreTrainedModel, config: TorchBackendConfig) -> None:
+        self.config = config
+        # nn.Module.to moves in place and returns the same object, so the reference the
+        # inference engine holds stays the trained model.
+        self.model = model.to(config.device)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=config.lr,
+            betas=tuple(config.betas),  # a Hydra ListConfig arrives as a list
+            weight_decay=config.weight_decay,
+        )
+
+    # -- public API
+
+    def train(
+        self,
+        samples: list[Sample],
+        advantages: list[float],
+        loss: LossFn,
+        token_scale: list[list[float]] | None = None,
+    ) -> dict[str, float]:
+        """One step: one AdamW update per mini-batch; answers the step's metrics.
+
+        ``loss`` (a loss strategy) is called once per mini-batch with that mini-batch's
+        samples; ``token_scale`` (aligned with tokens) multiplies its weights, 0 = drop.
+        """
+        start = time.perf_counter()
+        self._check_inputs(samples, advantages, token_scale)
+        plan = schedule(
+            samples,
+            num_mini_batches=self.config.num_mini_batches,
+            ranks=1,
+            max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
+        )
+        if plan.oversize_samples:
+            logger.warning(
+                "%d samples exceed max_tokens_per_micro_batch=%d and ran alone",
+                len(plan.oversize_samples),
+                self.config.max_tokens_per_micro_batch,
+            )
+        stats = _Stats()
+        was_training = self.model.training
+        self.model.train()
+        try:
+            for m, mini in enumerate(plan.mini_batches):
+                weights = self._weights(samples, mini, loss, token_scale)
+                self._update(samples, advantages, weights, mini, stats, first=m == 0)
+        finally:
+            self.model.train(was_training)
+            # Gradients are as big as the model; the engine gets that memory back.
+            self.optimizer.zero_grad(set_to_none=True)
+        return stats.metrics(len(plan.mini_batches), time.perf_counter() - start)
+
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot (CPU copies, so later steps do not change it) of model and optimizer."""
+        return {
+            "model": _to_cpu_copy(self.model.state_dict()),
+            "optimizer": _to_cpu_copy(self.optimizer.state_dict()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Both copy into the existing tensors/device: the model object stays the same.
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    # -- one mini-batch
+
+    def _weights(
+        self,
+        samples: list[Sample],
+        mini: MiniBatch,
+        loss: LossFn,
+        token_scale: list[list[float]] | None,
+    ) -> dict[int, list[float]]:
+        """Loss weights of the mini-batch's samples (by index in ``samples``), scaled."""
+        indices = mini.sample_indices
+        computed = loss([samples[i] for i in indices])
+        if len(computed) != len(indices):
+            raise ValueError(
+                f"the loss strategy returned weights for {len(computed)} samples, "
+                f"expected {len(indices)}"
+            )
+        weights: dict[int, list[float]] = {}
+        for i, w in zip(indices, computed, strict=True):
+            if len(w) != len(samples[i].tokens):
+                raise ValueError(
+                    f"the loss strategy returned {len(w)} weights for sample {i} of "
+                    f"{len(samples[i].tokens)} tokens"
+                )
+            row = [float(x) for x in w]
+            if token_scale is not None:
+                row = [x * float(s) for x, s in zip(row, token_scale[i], strict=True)]
+            if not all(math.isfinite(x) for x in row):
+                raise ValueError(f"sample {i} has a non-finite loss weight")
+            weights[i] = row
+        return weights
+
+    def _update(
+        self,
+        samples: list[Sample],
+        advantages: list[float],
+        weights: dict[int, list[float]],
+        mini: MiniBatch,
+        stats: _Stats,
+        first: bool,
+    ) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        trained_before = stats.tokens_trained
+        mini_loss = 0.0
+        for micro in mini.ranks[0].micro_batches:
+            mini_loss += self._micro_step(samples, advantages, weights, micro, stats, first)
+        if stats.tokens_trained == trained_before:
+            # Nothing to learn from (e.g. every token dropped by token_scale): no step, so
+            # weight decay does not move the weights either.
+            stats.losses.append(0.0)
+            stats.grad_norms.append(0.0)
+            return
+        stats.losses.append(mini_loss)
+        stats.grad_norms.append(self._clip_and_step())
+
+    def _micro_step(
+        self,
+        samples: list[Sample],
+        advantages: list[float],
+        weights: dict[int, list[float]],
+        micro: list[int],
+        stats: _Stats,
+        first: bool,
+    ) -> float:
+        """Forward and backward one packed micro-batch; answers its share of the loss."""
+        batch = [samples[i] for i in micro]
+        selected = [_trainable(samples[i], weights[i]) for i in micro]
+        if not any(selected):
+            return 0.0  # no token would get a gradient: skip the forward too
+        device, dtype = _model_device_dtype(self.model)
+        packed = pack(batch, selected, device, dtype)
+        logprobs = torch.log_softmax(selected_logits(self.model, packed), dim=-1)
+        logp_new = logprobs.gather(-1, packed.targets[:, None]).squeeze(-1)
+
+        def per_token(values: Callable[[int, int], float]) -> torch.Tensor:
+            data = [
+                values(micro[j], i)
+                for j, i in zip(packed.sample_index, packed.token_index, strict=True)
+            ]
+            return torch.tensor(data, dtype=logp_new.dtype, device=device)
+
+        logp_old = per_token(lambda s, i: samples[s].logprobs[i])
+        advantage = per_token(lambda s, _: advantages[s])
+        weight = per_token(lambda s, i: weights[s][i])
+        token_loss, ratio, clipped = ppo_clip_loss(
+            logp_new, logp_old, advantage, self.config.clip_low, self.config.clip_high
+        )
+        micro_loss = (weight * token_loss).sum()
+        micro_loss.backward()
+
+        with torch.no_grad():
+            new = logp_new.detach()
+            stats.entropy += entropy_of(logprobs.detach()).sum().item()
+            stats.clipped += clipped.sum().item()
+            stats.kl += k3(new, logp_old).sum().item()
+            stats.ratio += ratio.detach().sum().item()
+            if first:
+                stats.mismatch += (new - logp_old).abs().sum().item()
+                stats.mismatch_tokens += len(packed.token_index)
+        stats.tokens_trained += len(packed.token_index)
+        stats.tokens_computed += packed.num_tokens
+        stats.micro_batches += 1
+        return micro_loss.item()
+
+    def _clip_and_step(self) -> float:
+        """Clip the accumulated gradient and step; answers its norm before clipping."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if not torch.isfinite(norm):
+            # One bad batch must not destroy the weights the engine serves (verl does the
+            # same); the NaN/inf norm in the metrics says it happened.
+            logger.warning("non-finite grad norm %s: update skipped", norm.item())
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm.item()
+        if self.config.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)
+        self.optimizer.step()
+        return norm.item()
+
+    # -- checks
+
+    def _check_inputs(
+        self,
+        samples: list[Sample],
+        advantages: list[float],
+        token_scale: list[list[float]] | None,
+    ) -> None:
+        if not samples:
+            raise ValueError("train() needs at least one sample, got an empty list")
+        if len(advantages) != len(samples):
+            raise ValueError(
+                f"need one advantage per sample: {len(samples)} samples, "
+                f"{len(advantages)} advantages"
+            )
+        if not all(math.isfinite(a) for a in advantages):
+            raise ValueError("advantages must be finite numbers")
+        if token_scale is not None and len(token_scale) != len(samples):
+            raise ValueError(
+                f"token_scale needs one list per sample: {len(samples)} samples, "
+                f"{len(token_scale)} lists"
+            )
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for i, s in enumerate(samples):
+            _check_sample(i, s, vocab)
+            if token_scale is not None and len(token_scale[i]) != len(s.tokens):
+                raise ValueError(
+                    f"token_scale[{i}] has {len(token_scale[i])} values for {len(s.tokens)} tokens"
+                )
+
+
+def _check_sample(index: int, sample: Sample, vocab: int) -> None:
+    n = len(sample.tokens)
+    aligned = {"action_mask": sample.action_mask, "logprobs": sample.logprobs}
+    if sample.parents is not None or sample.position_ids is not None:
+        if sample.parents is None or sample.position_ids is None:
+            raise ValueError(f"sample {index}: a tree sample needs both parents and position_ids")
+        aligned |= {"parents": sample.parents, "position_ids": sample.position_ids}
+    for name, values in aligned.items():
+        if len(values) != n:
+            raise ValueError(f"sample {index}: {len(values)} {name} for {n} tokens")
+    if n and not all(0 <= t < vocab for t in sample.tokens):
+        raise ValueError(f"sample {index}: token ids must be in [0, {vocab})")
+
+
+def _trainable(sample: Sample, weights: list[float]) -> list[int]:
+    """Action tokens with a nonzero weight and a parent to be predicted from."""
+    parents = parents_of(sample)
+    return [
+        i
+        for i, (action, w, p) in enumerate(zip(sample.action_mask, weights, parents, strict=True))
+        if action and w != 0.0 and p >= 0
+    ]
+
+
+def _to_cpu_copy(value: Any) -> Any:
+    """Deep copy with every tensor cloned to CPU (nested dicts/lists as in state dicts)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu_copy(v) for v in value)
+    return value
