@@ -1,0 +1,228 @@
+"""A long-lived worker process that runs Python harness attempts for ``LocalExecutor``.
+
+``python -m agl.backends.execution.worker HARNESS CONCURRENCY`` imports ``HARNESS``
+(``module:function``, an ``async def function(env: Mapping[str, str]) -> None``) once,
+then runs up to ``CONCURRENCY`` attempts at a time in one asyncio loop, so an attempt
+costs no interpreter start and no imports.
+
+Protocol (JSON lines, parent ↔ worker). The worker moves the pipes it was started with
+(fd 0 and fd 1) to private descriptors before any harness code runs, points fd 0 at
+/dev/null and fd 1 at fd 2 (the worker's log file), so whatever a harness prints lands
+in the log and can never corrupt the protocol:
+
+- worker → parent, once: ``{"ready": true, "pid": N}`` or ``{"ready": false, "error": "..."}``
+  (then the worker exits with code 2);
+- parent → worker, per attempt: ``{"rollout_id", "attempt", "timeout_s", "env"}``;
+- worker → parent, per attempt: ``{"rollout_id", "attempt", "error"}``, ``error`` None when
+  the harness returned, else one line: ``"timed out after N s"`` or ``"Type: message"``;
+- EOF on the parent's pipe: the worker cancels what runs and exits 0.
+
+Harnesses share the worker's HTTP pool: :func:`shared_http` answers it (None outside a
+worker). A new ``httpx.AsyncClient`` costs ~80 ms of CPU (it loads the CA store), more
+than a whole trivial rollout, so pass it on::
+
+    async def run(env: Mapping[str, str]) -> None:
+        agent = AgentContext.from_env(env)
+        await agent.finish(reward=1.0, http=shared_http())
+
+A harness reads its variables from ``env``, not ``os.environ``: attempts share the
+process. It must not block the loop (run blocking work with ``asyncio.to_thread``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import os
+import re
+import sys
+import traceback
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import httpx
+import orjson
+
+log = logging.getLogger(__name__)
+
+Harness = Callable[[Mapping[str, str]], Awaitable[object]]
+
+_HTTP: httpx.AsyncClient | None = None
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+READ_LIMIT = 1 << 26  # one launch line may carry a large input
+
+
+def shared_http() -> httpx.AsyncClient | None:
+    """The worker's HTTP connection pool, for harnesses to pass as ``http=`` (or to an
+    OpenAI client as ``http_client=``); None outside a worker process. Never close it."""
+    return _HTTP
+
+
+def split_harness(spec: str) -> tuple[str, str]:
+    """``"module:function"`` or ``"python:module:function"`` → (module, function);
+    ValueError (one line) when ``spec`` is not of that form."""
+    body = spec.removeprefix("python:")
+    module, sep, function = body.partition(":")
+    if not sep or not _MODULE.match(module) or not _NAME.match(function):
+        raise ValueError(
+            f"harness {spec!r} is not 'module:function', 'python:module:function' "
+            "or 'command:<shell command>'"
+        )
+    return module, function
+
+
+def load_harness(spec: str) -> Harness:
+    """Import the harness named by ``spec``; ValueError (one line) saying what is wrong."""
+    module_name, function_name = split_harness(spec)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:
+        raise ValueError(
+            f"harness {spec!r}: cannot import module {module_name!r}: {one_line(error)}"
+        ) from None
+    function = getattr(module, function_name, None)
+    if function is None:
+        raise ValueError(f"harness {spec!r}: module {module_name!r} has no {function_name!r}")
+    if not inspect.iscoroutinefunction(function):
+        raise ValueError(
+            f"harness {spec!r}: {function_name!r} is not an async function "
+            f"(want: async def {function_name}(env: Mapping[str, str]) -> None)"
+        )
+    return function  # type: ignore[no-any-return]
+
+
+def one_line(error: BaseException) -> str:
+    """``"Type: first line of the message"``, at most 500 characters."""
+    text = str(error).strip().splitlines()
+    name = type(error).__name__
+    return (f"{name}: {text[0]}" if text else name)[:500]
+
+
+def _timeout_text(timeout_s: float) -> str:
+    return f"timed out after {timeout_s:g} s"
+
+
+async def run_attempt(
+    harness: Harness, env: Mapping[str, str], timeout_s: float | None
+) -> str | None:
+    """Run one attempt; None when the harness returned, else why it did not (one line).
+
+    Only the worker's own deadline reads as a timeout: a ``TimeoutError`` the harness
+    raises itself is reported as the exception it is."""
+    deadline = asyncio.timeout(timeout_s)
+    try:
+        async with deadline:
+            await harness(env)
+    except TimeoutError as error:
+        return _timeout_text(timeout_s or 0) if deadline.expired() else one_line(error)
+    except asyncio.CancelledError:
+        raise
+    except (Exception, SystemExit, KeyboardInterrupt) as error:  # sys.exit() must not end us
+        rollout = env.get("AGL_ROLLOUT_ID", "?")
+        attempt = env.get("AGL_ATTEMPT", "?")
+        tb = "".join(traceback.format_exception(error))
+        log.error("rollout %s attempt %s: harness raised\n%s", rollout, attempt, tb.rstrip())
+        return one_line(error)
+    return None
+
+
+class _Worker:
+    """The worker's loop: read launches, run them as tasks, write one reply each."""
+
+    def __init__(self, harness: Harness, out: asyncio.WriteTransport) -> None:
+        self.harness = harness
+        self.out = out
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def send(self, message: dict[str, Any]) -> None:
+        # A transport write never blocks; the parent always reads, so the buffer stays small.
+        self.out.write(orjson.dumps(message) + b"\n")
+
+    async def attempt(self, message: dict[str, Any]) -> None:
+        error = await run_attempt(self.harness, message["env"], message.get("timeout_s"))
+        self.send(
+            {"rollout_id": message["rollout_id"], "attempt": message["attempt"], "error": error}
+        )
+
+    async def serve(self, reader: asyncio.StreamReader) -> None:
+        while line := await reader.readline():
+            try:
+                message = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                log.error("ignoring a malformed launch line: %.200r", line)
+                continue
+            task = asyncio.create_task(self.attempt(message))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        # EOF: the parent is gone or closing; nothing we run can be reported any more.
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def _main(spec: str, concurrency: int, fd_in: int, fd_out: int) -> int:
+    global _HTTP
+    loop = asyncio.get_running_loop()
+    out, _ = await loop.connect_write_pipe(asyncio.BaseProtocol, os.fdopen(fd_out, "wb", 0))
+    reader = asyncio.StreamReader(limit=READ_LIMIT)
+    await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd_in, "rb", 0)
+    )
+    try:
+        harness = load_harness(spec)
+    except ValueError as error:
+        out.write(orjson.dumps({"ready": False, "error": str(error)}) + b"\n")
+        log.error("%s", error)
+        return 2
+    # Made before "ready" so the first attempts do not pay for it.
+    _HTTP = httpx.AsyncClient(
+        timeout=httpx.Timeout(600.0, connect=10.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(20, concurrency)),
+    )
+    worker = _Worker(harness, out)
+    worker.send({"ready": True, "pid": os.getpid()})
+    log.info("worker %d ready: harness %s, up to %d attempts", os.getpid(), spec, concurrency)
+    try:
+        await worker.serve(reader)
+    finally:
+        await _HTTP.aclose()
+        _HTTP = None
+    return 0
+
+
+def _private_pipes() -> tuple[int, int]:
+    """Move the protocol pipes off fd 0/1; fd 0 reads /dev/null, fd 1 writes the log."""
+    fd_in, fd_out = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    return fd_in, fd_out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or not args[1].isdigit():
+        sys.stderr.write("usage: python -m agl.backends.execution.worker HARNESS CONCURRENCY\n")
+        raise SystemExit(2)
+    fd_in, fd_out = _private_pipes()
+    # The log is a file: line buffering keeps harness prints in order with our records.
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    raise SystemExit(asyncio.run(_main(args[0], int(args[1]), fd_in, fd_out)))
+
+
+if __name__ == "__main__":
+    # Run main() of the module imported under its real name, not of ``__main__``: the
+    # harnesses' ``shared_http()`` reads that module's pool.
+    from agl.backends.execution.worker import main as _real_main
+
+    _real_main()

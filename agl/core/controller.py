@@ -1,0 +1,293 @@
+"""The rollout controller: reconciles the gateway's rollouts with executions
+(DESIGN.md, "Rollout controller").
+
+Each pass (``Controller.step``):
+
+1. settles the attempts that ended: a rollout still ``running`` at that attempt is
+   failed with the exit's reason (or "agent exited without reporting a status"); a
+   ``failed`` attempt is re-queued while attempts remain;
+2. starts ``queuing`` rollouts, oldest first, as many as the executor has free slots:
+   PATCH ``running`` at the listed attempt (a 409 means someone else moved it), then
+   launch with the attempt key from the answered record.
+
+Invariants:
+- within one controller an attempt is launched at most once and settled once per exit;
+- every HTTP call a pass makes per rollout runs concurrently with the others;
+- a gateway error on one rollout is logged and retried on a later pass; it never ends
+  the loop. Every PATCH names its attempt, so a retry is a no-op where it already took.
+
+The executor (local processes, Kubernetes Jobs) is behind the small ``Executor``
+protocol, so this loop knows nothing about how an attempt runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+
+from agl.agent import AgentContext
+from agl.core.client import AsyncGatewayClient, GatewayError, _Calls
+from agl.core.records import Rollout, Status
+
+log = logging.getLogger(__name__)
+
+NO_STATUS = "agent exited without reporting a status"
+STOPPED = "controller stopped"
+RELEASE_TIMEOUT_S = 5.0  # how long stopping may spend failing the attempts it ran
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One attempt to execute."""
+
+    rollout_id: str
+    attempt: int
+    timeout_s: float | None
+    env: dict[str, str]  # AgentContext(...).to_env(): proxy base URL, attempt key, input, ...
+
+
+@dataclass(frozen=True)
+class Exit:
+    """An attempt that ended. ``error`` is None when the harness returned (or the process
+    exited 0), else one line: "exit code 3", "timed out after 5 s", "ValueError: ..."."""
+
+    rollout_id: str
+    attempt: int
+    error: str | None
+
+
+class Executor(Protocol):
+    @property
+    def free_slots(self) -> int:
+        """How many more attempts it can run now."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def launch(self, launch: Launch) -> None: ...
+
+    async def exits(self) -> list[Exit]:
+        """Attempts finished since the last call; must not block long."""
+        ...
+
+    async def close(self) -> None:
+        """Kill everything still running; idempotent."""
+        ...
+
+
+@dataclass
+class ControllerStats:
+    launched: int = 0  # attempts handed to the executor
+    exited_ok: int = 0  # attempts that ended succeeded
+    exited_without_status: int = 0  # clean exits the controller had to fail
+    agent_failed: int = 0  # attempts that ended failed otherwise (error, timeout, agent's word)
+    requeued: int = 0  # failed attempts sent back to queuing
+    given_up: int = 0  # failed attempts with no attempt left
+
+
+class Controller:
+    def __init__(
+        self,
+        client: AsyncGatewayClient,
+        executor: Executor,
+        *,
+        gateway_url: str,
+        model: str,
+        poll_s: float = 0.05,
+        batch: int = 256,
+        max_calls: int = 4,
+    ) -> None:
+        """``client`` must hold the admin token: only it sees attempt keys.
+
+        ``max_calls`` bounds the HTTP calls in flight at once. More would not make the
+        gateway faster, and httpx's pool scans every open connection on each request, so
+        a few hundred concurrent calls cost several times the CPU per call."""
+        self.client = client
+        self.executor = executor
+        self.gateway_url = gateway_url
+        self.model = model
+        self.poll_s = poll_s
+        self.batch = batch
+        self.stats = ControllerStats()
+        self._running: set[tuple[str, int]] = set()  # launched, not yet exited
+        self._unsettled: list[Exit] = []  # exits whose settling failed; retried next pass
+        self._outcome: dict[tuple[str, int], str] = {}  # first verdict of an unsettled exit
+        self._unsure: set[tuple[str, int]] = set()  # PATCH running failed in transit
+        self._busy = False  # the last pass settled or started something: more may follow
+        self._calls = asyncio.Semaphore(max_calls)
+
+    # -- the loop ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Start the executor and reconcile every ``poll_s`` until cancelled; on the way
+        out, kill what runs and fail (re-queue) those attempts."""
+        await self.executor.start()
+        try:
+            while True:
+                try:
+                    await self.step()
+                except Exception:  # a bug or an outage must not end the controller
+                    log.exception("controller pass failed; retrying")
+                    self._busy = False
+                # Right after a pass that did work, the next one likely has work too.
+                await asyncio.sleep(0 if self._busy else self.poll_s)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Kill every execution, then fail (and re-queue) the attempts they held, best
+        effort within ``RELEASE_TIMEOUT_S``. Idempotent."""
+        await self.executor.close()
+        exits = [*self._unsettled, *(Exit(rid, a, STOPPED) for rid, a in self._running)]
+        self._unsettled = []
+        if exits:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._settle_all(exits), RELEASE_TIMEOUT_S)
+
+    async def step(self) -> None:
+        """One reconcile pass: settle exits, then start queued rollouts into free slots."""
+        exits = [*self._unsettled, *await self.executor.exits()]
+        self._unsettled = []
+        self._busy = bool(exits)
+        if exits:
+            await self._settle_all(exits)
+        if self._unsure:
+            unsure, self._unsure = self._unsure, set()
+            await asyncio.gather(*(self._start(rid, attempt) for rid, attempt in unsure))
+        free = self.executor.free_slots
+        if free <= 0:
+            return
+        limit = min(free, self.batch)
+        queued = await self._list_queuing(limit)
+        self._busy = self._busy or bool(queued)
+        await asyncio.gather(
+            *(
+                self._start(r.rollout_id, r.attempt)
+                for r in queued
+                if (r.rollout_id, r.attempt) not in self._running
+            )
+        )
+
+    # -- settling exits ---------------------------------------------------------------
+
+    async def _settle_all(self, exits: list[Exit]) -> None:
+        for exit, done in zip(exits, await asyncio.gather(*map(self._settle, exits)), strict=True):
+            if not done:
+                self._unsettled.append(exit)
+
+    async def _settle(self, exit: Exit) -> bool:
+        """Bring the gateway in line with an ended attempt; False: retry next pass."""
+        async with self._calls:
+            return await self._settle_unbounded(exit)
+
+    async def _settle_unbounded(self, exit: Exit) -> bool:
+        key = (exit.rollout_id, exit.attempt)
+        self._running.discard(key)
+        try:
+            rollout = await self.client.get_rollout(exit.rollout_id)
+            for _ in range(3):  # a 409 answers the rollout as it is now: decide again
+                try:
+                    await self._settle_rollout(exit, rollout)
+                    break
+                except GatewayError as error:
+                    if error.status != 409 or error.current is None:
+                        raise
+                    rollout = error.current
+        except GatewayError as error:
+            if error.status == 404:
+                log.warning("rollout %s is gone; dropping its exit", exit.rollout_id)
+                self._outcome.pop(key, None)
+                return True
+            log.warning("settling %s attempt %d: %s", exit.rollout_id, exit.attempt, error)
+            return False
+        except httpx.HTTPError as error:
+            log.warning("settling %s attempt %d: %r", exit.rollout_id, exit.attempt, error)
+            return False
+        outcome = self._outcome.pop(key, None)
+        if outcome is not None:
+            setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+        return True
+
+    async def _settle_rollout(self, exit: Exit, rollout: Rollout) -> None:
+        """One decision on ``rollout`` as read; raises GatewayError (409: read is stale)."""
+        key = (exit.rollout_id, exit.attempt)
+        if rollout.attempt != exit.attempt:
+            return  # the rollout moved on to another attempt: nothing of ours to settle
+        if rollout.status is Status.RUNNING:
+            error = exit.error or NO_STATUS
+            rollout = await self.client.patch_rollout(
+                exit.rollout_id, Status.FAILED, attempt=exit.attempt, error=error
+            )
+            self._outcome.setdefault(key, "agent_failed" if exit.error else "exited_without_status")
+        if rollout.status is Status.SUCCEEDED:
+            self.stats.exited_ok += 1
+        elif rollout.status is Status.FAILED:
+            self._outcome.setdefault(key, "agent_failed")
+            if rollout.attempt < rollout.max_attempts:
+                await self.client.patch_rollout(
+                    exit.rollout_id, Status.QUEUING, attempt=exit.attempt
+                )
+                self.stats.requeued += 1
+            else:
+                self.stats.given_up += 1
+
+    # -- starting queued rollouts -----------------------------------------------------
+
+    async def _list_queuing(self, limit: int) -> list[Rollout]:
+        """The oldest ``limit`` queuing rollouts: one page, not the whole list."""
+        try:
+            # The client's list_rollouts follows every page; one page is what a pass needs.
+            page, _ = await self.client._send(
+                _Calls.list_rollouts(Status.QUEUING, None, None, None, limit)
+            )
+        except (GatewayError, httpx.HTTPError) as error:
+            log.warning("listing queuing rollouts: %r", error)
+            return []
+        return page
+
+    async def _start(self, rollout_id: str, attempt: int) -> None:
+        """Move one attempt to running and launch it; never raises."""
+        key = (rollout_id, attempt)
+        try:
+            async with self._calls:
+                rollout = await self.client.patch_rollout(
+                    rollout_id, Status.RUNNING, attempt=attempt
+                )
+        except (GatewayError, httpx.HTTPError) as error:
+            if isinstance(error, GatewayError) and error.status < 500:
+                if error.status != 409:  # 409: someone else moved it
+                    log.warning("starting %s attempt %d: %s", rollout_id, attempt, error)
+                return
+            # It may have landed: retry next pass (a repeat is a no-op), so that it cannot
+            # stay running with nothing running it.
+            log.warning("starting %s attempt %d: %r; retrying", rollout_id, attempt, error)
+            self._unsure.add(key)
+            return
+        if key in self._running or rollout.status is not Status.RUNNING:
+            return
+        self._running.add(key)
+        self.stats.launched += 1
+        if rollout.attempt_key is None:
+            log.error("no attempt key for %s: the controller needs the admin token", rollout_id)
+            self._unsettled.append(Exit(rollout_id, attempt, "no attempt key (not admin)"))
+            return
+        context = AgentContext(
+            gateway_url=self.gateway_url,
+            rollout_id=rollout_id,
+            attempt=attempt,
+            mode=rollout.mode,
+            model=self.model,
+            api_key=rollout.attempt_key,
+            input=rollout.input,
+        )
+        launch = Launch(rollout_id, attempt, rollout.timeout_s, context.to_env())
+        try:
+            await self.executor.launch(launch)
+        except Exception as error:
+            log.exception("launching %s attempt %d", rollout_id, attempt)
+            self._unsettled.append(Exit(rollout_id, attempt, f"launch failed: {error!r}"[:500]))

@@ -1,0 +1,83 @@
+"""Small Python harnesses for tests/test_controller.py, run by LocalExecutor's workers
+(``tests.controller_harnesses:<name>``, imported from the repo root).
+
+Each reads its rollout's input from ``env`` and reports with ``AgentContext``, sharing the
+worker's HTTP pool. ``input`` keys they understand: ``reward`` (float), ``sleep`` (s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import sys
+from collections.abc import Mapping
+
+from agl.agent import AgentContext
+from agl.backends.execution.worker import shared_http
+from agl.core.records import EventIn
+
+
+async def _seen(agent: AgentContext) -> None:
+    """Record a hash of the attempt key this attempt got (the test checks they differ)."""
+    digest = hashlib.sha256(agent.api_key.encode()).hexdigest()
+    event = EventIn(type="seen", data={"key": digest, "pool": shared_http() is not None})
+    await agent.client(shared_http()).post_events(agent.rollout_id, agent.attempt, [event])
+
+
+async def reward_from_input(env: Mapping[str, str]) -> None:
+    agent = AgentContext.from_env(env)
+    await _seen(agent)
+    await asyncio.sleep(float(agent.input.get("sleep", 0)))
+    print(f"rollout {agent.rollout_id} done")  # lands in the worker log, not the protocol
+    await agent.finish(reward=float(agent.input["reward"]), http=shared_http())
+
+
+async def finish_only(env: Mapping[str, str]) -> None:
+    await AgentContext.from_env(env).finish(reward=1.0, http=shared_http())
+
+
+async def second_time_lucky(env: Mapping[str, str]) -> None:
+    """Attempt 1 ends without a status; attempt 2 succeeds."""
+    agent = AgentContext.from_env(env)
+    await _seen(agent)
+    if agent.attempt >= 2:
+        await agent.finish(reward=1.0, http=shared_http())
+
+
+async def no_status(env: Mapping[str, str]) -> None:
+    print("returning without finish", file=sys.stderr)
+
+
+async def raises(env: Mapping[str, str]) -> None:
+    raise ValueError("the input is bad\nand this second line is not reported")
+
+
+async def hangs(env: Mapping[str, str]) -> None:
+    await asyncio.sleep(3600)
+
+
+async def exits_process(env: Mapping[str, str]) -> None:
+    sys.exit(3)  # must not take the worker down
+
+
+def not_async(env: Mapping[str, str]) -> None:
+    """Not a valid harness: a plain function."""
+
+
+async def by_input(env: Mapping[str, str]) -> None:
+    """One harness for many behaviours, so one worker pool serves a whole test:
+    input ``{"do": "finish" | "none" | "lucky" | "raise" | "hang" | "exit", ...}``."""
+    agent = AgentContext.from_env(env)
+    do = agent.input.get("do", "finish")
+    if do in ("finish", "lucky", "none"):
+        await _seen(agent)
+    await asyncio.sleep(float(agent.input.get("sleep", 0)))
+    if do == "finish" or (do == "lucky" and agent.attempt >= 2):
+        print(f"rollout {agent.rollout_id} done")  # lands in the worker log
+        await agent.finish(reward=float(agent.input.get("reward", 1.0)), http=shared_http())
+    elif do == "raise":
+        await raises(env)
+    elif do == "hang":
+        await hangs(env)
+    elif do == "exit":
+        await exits_process(env)
