@@ -31,7 +31,7 @@ from typing import Protocol
 import httpx
 
 from agl.agent import AgentContext
-from agl.core.client import AsyncGatewayClient, GatewayError, _Calls
+from agl.core.client import AsyncGatewayClient, GatewayError
 from agl.core.records import Rollout, Status
 
 log = logging.getLogger(__name__)
@@ -241,10 +241,7 @@ class Controller:
     async def _list_queuing(self, limit: int) -> list[Rollout]:
         """The oldest ``limit`` queuing rollouts: one page, not the whole list."""
         try:
-            # The client's list_rollouts follows every page; one page is what a pass needs.
-            page, _ = await self.client._send(
-                _Calls.list_rollouts(Status.QUEUING, None, None, None, limit)
-            )
+            page, _ = await self.client.list_rollouts_page(Status.QUEUING, limit=limit)
         except (GatewayError, httpx.HTTPError) as error:
             log.warning("listing queuing rollouts: %r", error)
             return []

@@ -39,6 +39,9 @@ class TaskConfig:
     warmup_options: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
+    # Merged into every input, like ``sampling``: knobs of the harness itself (e.g. the
+    # think time bench/async.py gives the agents).
+    agent: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 60.0
 
 
@@ -69,5 +72,5 @@ class Task:
 
     def _with_sampling(self, data: Any) -> Any:
         if isinstance(data, dict):
-            return {**self.config.sampling, **data}
+            return {**self.config.sampling, **self.config.agent, **data}
         return data

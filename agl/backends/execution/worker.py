@@ -45,6 +45,8 @@ from typing import Any
 import httpx
 import orjson
 
+from agl.core.client import fast_http_client
+
 log = logging.getLogger(__name__)
 
 Harness = Callable[[Mapping[str, str]], Awaitable[object]]
@@ -178,10 +180,7 @@ async def _main(spec: str, concurrency: int, fd_in: int, fd_out: int) -> int:
         log.error("%s", error)
         return 2
     # Made before "ready" so the first attempts do not pay for it.
-    _HTTP = httpx.AsyncClient(
-        timeout=httpx.Timeout(600.0, connect=10.0),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(20, concurrency)),
-    )
+    _HTTP = fast_http_client(concurrency)
     worker = _Worker(harness, out)
     worker.send({"ready": True, "pid": os.getpid()})
     log.info("worker %d ready: harness %s, up to %d attempts", os.getpid(), spec, concurrency)

@@ -33,6 +33,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager, suppress
@@ -85,6 +86,7 @@ class EngineStats:
     tokens_generated: int = 0
     requests: int = 0
     max_running: int = 0  # the most sequences decoded together in one step
+    busy_s: float = 0.0  # time spent in forward passes and sampling (not waiting for work)
 
 
 class EngineError(RuntimeError):
@@ -413,6 +415,7 @@ class Engine:
                         break
                     admitted = self._admit()
                     cancelled, self._cancelled = self._cancelled, []
+                busy_from = time.perf_counter()
                 try:
                     if admitted:
                         self._prefill(admitted)
@@ -423,6 +426,7 @@ class Engine:
                 except Exception as error:  # the model raised: fail what runs, carry on
                     log.exception("generation failed")
                     self._fail_running(error, admitted)
+                self.stats.busy_s += time.perf_counter() - busy_from
                 with self._cv:
                     self._active = len(self._rows)
                     if not self._rows:
