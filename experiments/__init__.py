@@ -1,0 +1,1 @@
+"""Experiments: one package per task (its harness, data, warm-up and config)."""

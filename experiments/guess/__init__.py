@@ -1,0 +1,1 @@
+"""The default CPU experiment: a multi-turn number-guessing game (see README.md)."""

@@ -1,0 +1,285 @@
+"""The guessing-game harness: a real agent that talks to its model through the OpenAI API.
+
+The user states a range; each assistant turn is a guess (the first integer of the reply);
+the user answers "higher", "lower", or "a number, please" (a reply without a number still
+costs its turn). Reward 1.0 when the target is hit within ``max_turns``, else 0.0.
+
+Like any real harness it appends each reply to the history as the *text* it received, so
+the next prompt is a retokenization of that text: the natural drift agl studies.
+
+It runs as a worker entry point (``run(env)``, ``module:function``) or as a command
+(``python -m experiments.guess.harness`` with the attempt's environment). Throughput
+matters (tens of rollouts/s on 2 cores), so all attempts on one event loop share one
+``httpx.AsyncClient`` (a new one costs ~80 ms of CPU: it loads the CA store): the worker
+process's pool, else one of this module's per event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import random
+import re
+import sys
+import weakref
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+
+from agl.agent import AgentContext, AgentEnvError
+from agl.backends.execution.worker import shared_http as worker_http
+from agl.core.client import fast_http_client
+
+# With one model registered the gateway routes any name to it; AGL_MODEL wins when set.
+DEFAULT_MODEL = "policy"
+# A call can wait at the gateway's admission gate for a whole training step.
+CALL_TIMEOUT_S = 300.0
+MAX_RETRIES = 2
+
+HIGHER = "higher"
+LOWER = "lower"
+NOT_A_NUMBER = "a number, please"
+
+_INTEGER = re.compile(r"\d+")
+
+Message = dict[str, str]
+# The model as the game sees it: the chat so far -> the reply text.
+Ask = Callable[[list[Message]], Awaitable[str]]
+
+
+# ------------------------------------------------------------------------------ the game
+
+
+class GameInputError(ValueError):
+    """The rollout's input does not describe a game."""
+
+
+@dataclass(frozen=True)
+class Game:
+    target: int
+    low: int = 1
+    high: int = 16
+    max_turns: int = 4
+    temperature: float = 1.0
+    max_tokens: int = 6
+    # Agent latency (bench/async.py): before each call the harness "thinks" for a time
+    # drawn from a lognormal with this median (0: no wait) and shape.
+    think_median_s: float = 0.0
+    think_sigma: float = 0.0
+
+    def think_s(self, rng: random.Random) -> float:
+        """One think time, in seconds."""
+        if self.think_median_s <= 0:
+            return 0.0
+        return rng.lognormvariate(math.log(self.think_median_s), self.think_sigma)
+
+    @classmethod
+    def from_input(cls, data: object) -> Game:
+        """Validate a rollout input (``target``, ``low``, ``high``, ``max_turns``, the
+        sampling options ``temperature``, ``max_tokens`` and the agent options
+        ``think_median_s``, ``think_sigma``); other keys are ignored."""
+        if not isinstance(data, Mapping):
+            raise GameInputError(f"the input must be a JSON object, not {type(data).__name__}")
+        if "target" not in data:
+            raise GameInputError("the input lacks 'target'")
+        defaults = cls(target=0)
+        game = cls(
+            target=_integer(data, "target", None),
+            low=_integer(data, "low", defaults.low),
+            high=_integer(data, "high", defaults.high),
+            max_turns=_integer(data, "max_turns", defaults.max_turns),
+            temperature=_number(data, "temperature", defaults.temperature),
+            max_tokens=_integer(data, "max_tokens", defaults.max_tokens),
+            think_median_s=_number(data, "think_median_s", defaults.think_median_s),
+            think_sigma=_number(data, "think_sigma", defaults.think_sigma),
+        )
+        if not game.low <= game.target <= game.high:
+            raise GameInputError(f"target {game.target} is not in [{game.low}, {game.high}]")
+        if game.max_turns < 1 or game.max_tokens < 1:
+            raise GameInputError("max_turns and max_tokens must be at least 1")
+        if min(game.temperature, game.think_median_s, game.think_sigma) < 0:
+            raise GameInputError("temperature, think_median_s and think_sigma must be >= 0")
+        return game
+
+
+def _integer(data: Mapping[str, Any], key: str, default: int | None) -> int:
+    value = data.get(key, default)
+    # bool is an int in Python, but a JSON true is no number.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise GameInputError(f"{key!r} must be an integer, not {value!r}")
+    return value
+
+
+def _number(data: Mapping[str, Any], key: str, default: float) -> float:
+    value = data.get(key, default)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise GameInputError(f"{key!r} must be a number, not {value!r}")
+    return float(value)
+
+
+def opening(low: int, high: int) -> str:
+    """The first user message. Short: every token costs on 2 cores."""
+    return f"Guess my number, {low} to {high}."
+
+
+def parse_guess(text: str) -> int | None:
+    """The first integer in a reply (digits only: a model that wants 0 - 3 gets 3)."""
+    match = _INTEGER.search(text)
+    return int(match.group()) if match else None
+
+
+def feedback(guess: int | None, target: int) -> str | None:
+    """The user's answer to a guess; None when it hits."""
+    if guess is None:
+        return NOT_A_NUMBER
+    if guess == target:
+        return None
+    return HIGHER if guess < target else LOWER
+
+
+@dataclass
+class Episode:
+    """One game: the chat as the harness built it, and how it ended."""
+
+    messages: list[Message] = field(default_factory=list)
+    replies: list[str] = field(default_factory=list)
+    guesses: list[int | None] = field(default_factory=list)
+    won: bool = False
+
+    @property
+    def reward(self) -> float:
+        return 1.0 if self.won else 0.0
+
+
+async def play(game: Game, ask: Ask, rng: random.Random | None = None) -> Episode:
+    """Play one game against ``ask``. The history holds each reply's text exactly as
+    received (as a real harness does), so the model sees its retokenized words.
+    ``rng`` draws the think times (when the game has any)."""
+    rng = rng or random.Random()
+    episode = Episode(messages=[{"role": "user", "content": opening(game.low, game.high)}])
+    for _ in range(game.max_turns):
+        think = game.think_s(rng)
+        if think > 0:
+            await asyncio.sleep(think)
+        reply = await ask(list(episode.messages))
+        guess = parse_guess(reply)
+        episode.messages.append({"role": "assistant", "content": reply})
+        episode.replies.append(reply)
+        episode.guesses.append(guess)
+        answer = feedback(guess, game.target)
+        if answer is None:
+            episode.won = True
+            break
+        episode.messages.append({"role": "user", "content": answer})
+    return episode
+
+
+def openai_ask(client: openai.AsyncOpenAI, model: str, game: Game) -> Ask:
+    """``ask`` over an OpenAI-compatible endpoint (the gateway's recording proxy)."""
+
+    async def ask(messages: list[Message]) -> str:
+        completion = await client.chat.completions.create(
+            model=model,
+            messages=messages,  # type: ignore[arg-type]
+            temperature=game.temperature,
+            max_tokens=game.max_tokens,
+        )
+        return completion.choices[0].message.content or ""
+
+    return ask
+
+
+# --------------------------------------------------------------------- the shared pool
+
+# Outside a worker process (tests, the command form, a caller's own loop): one pool per
+# running event loop (a pool is bound to its loop), with the generator that closes it.
+_LOCAL_HTTP: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, tuple[httpx.AsyncClient, AsyncGenerator[None, None]]
+] = weakref.WeakKeyDictionary()
+# Enough connections for every rollout one process runs at once, all kept alive.
+_CONNECTIONS = 512
+
+
+def shared_http() -> httpx.AsyncClient:
+    """One HTTP pool for every attempt on the running event loop: the worker process's
+    when running in one, else a pool of this module's for the loop (aiohttp's transport:
+    a fraction of httpx's CPU per request), closed when the loop shuts down."""
+    pool = worker_http()
+    if pool is not None:
+        return pool
+    loop = asyncio.get_running_loop()
+    entry = _LOCAL_HTTP.get(loop)
+    if entry is None or entry[0].is_closed:
+        pool = fast_http_client(_CONNECTIONS, CALL_TIMEOUT_S)
+        entry = _LOCAL_HTTP[loop] = (pool, _close_at_shutdown(pool))
+    return entry[0]
+
+
+def _close_at_shutdown(pool: httpx.AsyncClient) -> AsyncGenerator[None, None]:
+    """An async generator parked at its first ``yield``; the loop tracks it, so its
+    ``shutdown_asyncgens()`` (``asyncio.run`` calls it) runs the ``finally`` that closes
+    the pool. Unclosed, aiohttp's pool warns when it is garbage collected."""
+
+    async def park() -> AsyncGenerator[None, None]:
+        try:
+            yield
+        finally:
+            await pool.aclose()
+
+    generator = park()
+    # Step it to the yield right here: the loop's first-iteration hook registers it.
+    with contextlib.suppress(StopIteration):
+        generator.asend(None).send(None)
+    return generator
+
+
+async def close_local_http() -> None:
+    """Close this loop's own pool now, if it made one."""
+    entry = _LOCAL_HTTP.pop(asyncio.get_running_loop(), None)
+    if entry is not None:
+        await entry[1].aclose()
+
+
+# --------------------------------------------------------------------------- the agent
+
+
+async def run(env: Mapping[str, str]) -> None:
+    """Play the rollout's game through the proxy and report the reward."""
+    agent = AgentContext.from_env(env)
+    http = shared_http()
+    try:
+        game = Game.from_input(agent.input)
+    except GameInputError as error:
+        await agent.finish(error=f"bad input: {error}", http=http)
+        return
+    # Never closed: closing an OpenAI client closes the shared pool under it.
+    client = openai.AsyncOpenAI(
+        base_url=agent.base_url,
+        api_key=agent.api_key,
+        http_client=http,
+        max_retries=MAX_RETRIES,
+        timeout=CALL_TIMEOUT_S,
+    )
+    try:
+        episode = await play(game, openai_ask(client, agent.model or DEFAULT_MODEL, game))
+    except openai.APIStatusError as error:
+        await agent.finish(error=f"model call refused: {error}", http=http)
+        return
+    await agent.finish(reward=episode.reward, http=http)
+
+
+def main() -> None:
+    """``python -m experiments.guess.harness``: one attempt, from ``os.environ``."""
+    try:
+        asyncio.run(run(os.environ))
+    except AgentEnvError as error:
+        sys.exit(f"experiments.guess.harness: {error}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""The "random player" start: a few seconds of supervised warm-up before RL.
+
+The tiny model's weights are random, so it would answer with random tokens and never
+score. RL starts instead from a player that knows the *format* but not the game: it is
+trained on synthetic transcripts, rendered with the tokenizer's chat template exactly as
+the harness builds its chats, in which every assistant turn is a number drawn uniformly
+from the range (independent of the feedback) followed by the end-of-turn token. Since
+the answers carry no information about the target, the best the model can learn is to
+ignore the feedback and guess uniformly: random play (1 - (15/16)^4 ≈ 0.23 on 1..16
+with 4 turns), which leaves RL the whole strategy to learn.
+
+The loss is on assistant tokens only (the number and its end-of-turn token). Numbers
+keep their canonical tokenization (the tokenizer's own encoding of the rendered chat), so
+whatever drift sampling produces is the model's own. With the tiny model's BPE, whose
+digits are single tokens, a number has only one tokenization: drift needs other text.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from experiments.guess.harness import Message, feedback, opening
+
+# Measured on 2 CPU cores (README): ~0.07 s a step, so ~10 s in all; after it >99% of
+# the probability mass is on valid numbers, each within ~15% of 1/16 on every turn. Fewer
+# steps or a larger lr leave some contexts lopsided (lr 1e-2 can stall at loss 1.42).
+STEPS = 150
+BATCH_SIZE = 16  # one balanced deck of 1..16 per turn (see _Deck)
+LR = 5e-3
+
+# An assistant turn's content and its end-of-turn token: the tokens the model must learn.
+_ASSISTANT = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", re.DOTALL)
+_IGNORE = -100  # the label HF's loss skips
+
+
+def random_game(target: int, guesses: Sequence[int], low: int, high: int) -> list[Message]:
+    """The chat the harness builds for a player making ``guesses`` (one per turn, in
+    order): it ends at a hit or after the last guess (whose feedback is never sent)."""
+    messages: list[Message] = [{"role": "user", "content": opening(low, high)}]
+    for guess in guesses:
+        messages.append({"role": "assistant", "content": str(guess)})
+        answer = feedback(guess, target)
+        if answer is None:
+            break
+        messages.append({"role": "user", "content": answer})
+    if messages[-1]["role"] == "user":
+        messages.pop()
+    return messages
+
+
+class _Deck:
+    """Uniform draws from ``[low, high]``, each value once per shuffled round.
+
+    Every draw is uniform and independent of the game it lands in, so the transcripts
+    still carry no strategy; but a batch's answers are spread evenly over the range, so
+    the gradient points at the uniform player without iid sampling noise (a near-uniform
+    player in fewer steps).
+    """
+
+    def __init__(self, rng: random.Random, low: int, high: int) -> None:
+        self._rng = rng
+        self._values = list(range(low, high + 1))
+        self._left: list[int] = []
+
+    def draw(self) -> int:
+        if not self._left:
+            self._left = self._values[:]
+            self._rng.shuffle(self._left)
+        return self._left.pop()
+
+
+def encode_game(tokenizer: Any, messages: list[Message]) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered chat and a 0/1 mask of its assistant tokens.
+
+    The text is cut at assistant turns and each piece encoded alone; that must equal the
+    encoding of the whole text (special tokens split the BPE), which is checked, so the
+    mask is exact and the ids are the canonical tokenization.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    pieces: list[tuple[str, int]] = []
+    at = 0
+    for match in _ASSISTANT.finditer(text):
+        pieces += [(text[at : match.start(1)], 0), (match.group(1), 1)]
+        at = match.end(1)
+    pieces.append((text[at:], 0))
+    # One batched call (the pieces and the whole text): per-call overhead dominates here.
+    encoded = tokenizer([piece for piece, _ in pieces] + [text], add_special_tokens=False)
+    *piece_ids, whole = encoded["input_ids"]
+    ids = [token for one in piece_ids for token in one]
+    mask = [label for one, (_, label) in zip(piece_ids, pieces, strict=True) for _ in one]
+    if ids != whole:
+        raise ValueError("the chat template's turns do not tokenize independently")
+    return ids, mask
+
+
+def _batch(
+    tokenizer: Any, targets: _Deck, turns: list[_Deck], size: int, low: int, high: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, attention mask and labels (-100 off the assistant turns).
+    Targets and each turn's guesses come from their own decks (independent draws)."""
+    games = [
+        encode_game(
+            tokenizer,
+            random_game(targets.draw(), [deck.draw() for deck in turns], low, high),
+        )
+        for _ in range(size)
+    ]
+    width = max(len(ids) for ids, _ in games)
+    ids = torch.full((size, width), tokenizer.pad_token_id, dtype=torch.long)
+    attention = torch.zeros((size, width), dtype=torch.long)
+    labels = torch.full((size, width), _IGNORE, dtype=torch.long)
+    for row, (game_ids, mask) in enumerate(games):
+        n = len(game_ids)
+        ids[row, :n] = torch.tensor(game_ids)
+        attention[row, :n] = 1
+        labels[row, :n] = torch.where(torch.tensor(mask) == 1, ids[row, :n], _IGNORE)
+    return ids, attention, labels
+
+
+def _assistant_loss(
+    model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """Mean cross-entropy of the assistant tokens. The LM head runs only where a token is
+    predicted (about 1 position in 6): a third less work per step than ``labels=``."""
+    hidden = model.base_model(input_ids=ids, attention_mask=attention).last_hidden_state
+    targets = labels[:, 1:]
+    keep = targets != _IGNORE
+    logits = model.get_output_embeddings()(hidden[:, :-1][keep])
+    return torch.nn.functional.cross_entropy(logits.float(), targets[keep])
+
+
+def warm_up(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    steps: int = STEPS,
+    batch_size: int = BATCH_SIZE,
+    lr: float = LR,
+    seed: int = 0,
+    low: int = 1,
+    high: int = 16,
+    max_turns: int = 4,
+) -> dict[str, float]:
+    """Train ``model`` in place into a random player; answers ``loss`` (mean of the last
+    10 steps, per assistant token), ``first_loss`` and ``seconds``.
+
+    Fresh games every step (deterministic in ``seed``), AdamW with a linear decay to 0
+    (the end of the run settles on the uniform answer instead of chasing the last
+    batches). The model is left in eval mode. Run it before an inference engine serves
+    the model (or inside the engine's ``paused()``): it changes the weights in place.
+    """
+    if steps < 1 or batch_size < 1 or not low <= high or max_turns < 1:
+        raise ValueError("warm_up needs steps, batch_size, max_turns >= 1 and low <= high")
+    start = time.perf_counter()
+    rng = random.Random(f"guess-warmup:{seed}")
+    targets = _Deck(rng, low, high)
+    turns = [_Deck(rng, low, high) for _ in range(max_turns)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    ramp = max(1, steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min((step + 1) / ramp, (steps - step) / (steps - ramp + 1))
+    )
+    device = next(model.parameters()).device
+    losses: list[float] = []
+    model.train()
+    try:
+        for _ in range(steps):
+            batch = _batch(tokenizer, targets, turns, batch_size, low, high)
+            loss = _assistant_loss(model, *(tensor.to(device) for tensor in batch))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            losses.append(float(loss.detach()))
+    finally:
+        optimizer.zero_grad(set_to_none=True)  # the trainer starts from clean gradients
+        model.eval()
+    tail = losses[-10:]
+    return {
+        "loss": sum(tail) / len(tail),
+        "first_loss": losses[0],
+        "seconds": time.perf_counter() - start,
+        "steps": float(steps),
+    }

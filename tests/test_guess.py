@@ -1,0 +1,365 @@
+"""The guessing game (experiments/guess): data, the harness against the real stack (gateway
+process + ``python -m agl.serve model=tiny``), and the random-player warm-up.
+
+The warm-up tests play through an in-process ``Engine`` with the chat template, exactly
+as the inference server would (no HTTP), with seeded requests so that the figures are
+reproducible. They print the random player's reward and the retokenization drift rate
+(how often the sampled ids are not the tokenizer's encoding of their text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from agl.agent import AgentContext
+from agl.backends.inference.engine import Engine, SamplingParams
+from agl.backends.inference.models import LoadedModel, load_model
+from agl.core.client import GatewayClient
+from agl.core.records import Status
+from agl.testing.processes import GatewayProcess, ServeProcess, gateway_process, serve_process
+from experiments.guess.data import train_inputs, val_inputs
+from experiments.guess.harness import (
+    HIGHER,
+    LOWER,
+    NOT_A_NUMBER,
+    Ask,
+    Game,
+    GameInputError,
+    Message,
+    feedback,
+    parse_guess,
+    play,
+    run,
+)
+from experiments.guess.harness import main as harness_main
+from experiments.guess.warmup import encode_game, random_game, warm_up
+
+ROOT = Path(__file__).resolve().parent.parent
+TASK = yaml.safe_load((ROOT / "conf/task/guess.yaml").read_text())
+OPTIONS: dict[str, int] = TASK["options"]
+SAMPLING: dict[str, Any] = TASK["sampling"]
+SAMPLES = 400
+# chi-square, 15 degrees of freedom: P(X > 37.7) = 0.001 for a uniform player.
+CHI2_BOUND = 37.7
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def test_train_inputs_are_deterministic_in_seed_and_step() -> None:
+    batch = train_inputs(3, 64, 7, **OPTIONS, **SAMPLING)
+    assert batch == train_inputs(3, 64, 7, **OPTIONS, **SAMPLING)
+    assert batch != train_inputs(4, 64, 7, **OPTIONS, **SAMPLING)
+    assert batch != train_inputs(3, 64, 8, **OPTIONS, **SAMPLING)
+    assert len(batch) == 64
+    for example in batch:
+        assert OPTIONS["low"] <= example["target"] <= OPTIONS["high"]
+        assert Game.from_input(example).max_tokens == SAMPLING["max_tokens"]
+    assert len({e["target"] for e in batch}) > 8  # spread, not one target
+
+
+def test_val_inputs_are_fixed_and_spread_evenly() -> None:
+    val = val_inputs(64, **OPTIONS)
+    assert val == val_inputs(64, **OPTIONS)
+    assert Counter(e["target"] for e in val) == {t: 4 for t in range(1, 17)}
+    assert all(e["max_turns"] == OPTIONS["max_turns"] for e in val)
+
+
+# ------------------------------------------------------------------------------ game
+
+
+def test_the_game_rules() -> None:
+    assert [parse_guess(t) for t in ("7", " 12!", "I say 3 or 4", "none", "")] == [
+        7,
+        12,
+        3,
+        None,
+        None,
+    ]
+    assert [feedback(g, 9) for g in (3, 12, None, 9)] == [HIGHER, LOWER, NOT_A_NUMBER, None]
+    replies = iter(["8", "hmm", "12", "10"])
+
+    async def ask(messages: list[Message]) -> str:
+        return next(replies)
+
+    episode = asyncio.run(play(Game(target=10), ask))
+    assert episode.guesses == [8, None, 12, 10] and episode.reward == 1.0
+    assert [m["content"] for m in episode.messages if m["role"] == "user"][1:] == [
+        HIGHER,
+        NOT_A_NUMBER,
+        LOWER,
+    ]
+    with pytest.raises(GameInputError, match="target"):
+        Game.from_input({"target": 17})
+    with pytest.raises(GameInputError, match="max_turns"):
+        Game.from_input({"target": 3, "max_turns": True})
+
+
+def test_the_harness_can_think_before_each_call() -> None:
+    """bench/async.py's agent latency: a lognormal wait before every model call."""
+    game = Game.from_input({"target": 2, "think_median_s": 0.01, "think_sigma": 0.0})
+    calls: list[float] = []
+
+    async def ask(messages: list[Message]) -> str:
+        calls.append(time.monotonic())
+        return "1"
+
+    async def timed() -> float:
+        start = time.monotonic()
+        await play(game, ask)
+        return start
+
+    start = asyncio.run(timed())
+    assert len(calls) == game.max_turns
+    assert all(b - a >= 0.009 for a, b in zip([start, *calls], calls, strict=False))
+
+
+# ------------------------------------------------------------------ the real stack
+
+
+@dataclass
+class Stack:
+    gateway: GatewayProcess
+    server: ServeProcess
+
+    def attempt(self, game_input: dict[str, Any]) -> AgentContext:
+        """A fresh running rollout (one attempt allowed) and its agent's context."""
+        rollout_id = f"guess-{uuid.uuid4().hex[:12]}"
+        with GatewayClient(self.gateway.url, self.gateway.token) as admin:
+            admin.create_rollouts(
+                [
+                    {
+                        "rollout_id": rollout_id,
+                        "group_id": "g",
+                        "input": game_input,
+                        "max_attempts": 1,
+                    }
+                ]
+            )
+            rollout = admin.patch_rollout(rollout_id, "running")
+        assert rollout.attempt_key
+        return AgentContext(
+            gateway_url=self.gateway.url,
+            rollout_id=rollout_id,
+            attempt=rollout.attempt,
+            mode=rollout.mode,
+            model=self.server.model,
+            api_key=rollout.attempt_key,
+            input=game_input,
+        )
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with (
+        serve_process("tiny", torch_threads=1, log_level="warning") as server,
+        gateway_process(tmp_path_factory.mktemp("gateway")) as gateway,
+        GatewayClient(gateway.url, gateway.token) as admin,
+    ):
+        admin.register_models([{"model": server.model, "endpoint": server.url}])
+        yield Stack(gateway, server)
+
+
+def assert_played(stack: Stack, agent: AgentContext) -> None:
+    """The attempt succeeded with a 0/1 reward that follows from the recorded calls: each
+    call's response is the text the harness parsed and sent back in the next prompt."""
+    with GatewayClient(stack.gateway.url, stack.gateway.token) as admin:
+        rollout = admin.get_rollout(agent.rollout_id)
+        calls = [e.data for e in admin.get_events(agent.rollout_id, type="model_request")]
+        rewards = [e.data["value"] for e in admin.get_events(agent.rollout_id, type="reward")]
+    assert rollout.status == Status.SUCCEEDED, rollout.error
+    assert 1 <= len(calls) <= agent.input["max_turns"]
+    game = Game.from_input(agent.input)
+    for i, call in enumerate(calls):
+        assert len(call["response_ids"]) <= game.max_tokens
+        answer = feedback(parse_guess(call["response"] or ""), game.target)
+        if i + 1 < len(calls):  # the reply went back verbatim, then the feedback
+            assert answer is not None
+            assert calls[i + 1]["messages"][-2:] == [
+                {"role": "assistant", "content": call["response"] or ""},
+                {"role": "user", "content": answer},
+            ]
+    won = feedback(parse_guess(calls[-1]["response"] or ""), game.target) is None
+    assert len(calls) == agent.input["max_turns"] or won
+    assert rewards == [1.0 if won else 0.0]
+
+
+def test_the_harness_plays_through_the_gateway(stack: Stack) -> None:
+    agent = stack.attempt({"target": 5, **OPTIONS, **SAMPLING})
+    asyncio.run(run(agent.to_env()))
+    assert_played(stack, agent)
+
+
+def test_the_harness_runs_as_a_command(stack: Stack) -> None:
+    agent = stack.attempt({"target": 12, **OPTIONS, **SAMPLING})
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.guess.harness"],
+        env={**os.environ, **agent.to_env()},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert_played(stack, agent)
+
+
+def test_a_bad_input_fails_the_attempt_with_a_reason(stack: Stack) -> None:
+    agent = stack.attempt({"target": 40, **OPTIONS})
+    asyncio.run(run(agent.to_env()))
+    with GatewayClient(stack.gateway.url, stack.gateway.token) as admin:
+        rollout = admin.get_rollout(agent.rollout_id)
+    assert rollout.status == Status.FAILED and "target 40" in (rollout.error or "")
+
+
+def test_the_command_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.startswith(("AGL_", "OPENAI_"))]:
+        monkeypatch.delenv(name)
+    with pytest.raises(SystemExit, match="lacks"):
+        harness_main()
+
+
+# -------------------------------------------------------------------------- warm-up
+
+
+def test_warm_up_transcripts_are_the_harness_chats() -> None:
+    tokenizer = load_model("tiny").tokenizer
+    messages = random_game(target=3, guesses=[8, 12, 3, 5], low=1, high=16)
+    assert [m["content"] for m in messages] == [
+        "Guess my number, 1 to 16.",
+        "8",
+        LOWER,
+        "12",
+        LOWER,
+        "3",
+    ]
+    ids, mask = encode_game(tokenizer, messages)
+    trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert trained == "8<|im_end|>12<|im_end|>3<|im_end|>"
+
+
+@dataclass
+class Warmed:
+    loaded: LoadedModel
+    engine: Engine
+    metrics: dict[str, float]
+
+
+@pytest.fixture(scope="module")
+def warmed() -> Iterator[Warmed]:
+    loaded = load_model("tiny")
+    # One thread: two threads on a busy 2-core machine are several times slower than one.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        metrics = warm_up(
+            loaded.model, loaded.tokenizer, seed=0, **TASK["warmup_options"], **OPTIONS
+        )
+    finally:
+        torch.set_num_threads(threads)
+    engine = Engine(
+        loaded.model, loaded.tokenizer, max_batch_size=64, max_context=512, num_threads=1
+    )
+    try:
+        yield Warmed(loaded, engine, metrics)
+    finally:
+        engine.close()
+
+
+@dataclass
+class Reply:
+    text: str
+    token_ids: list[int]  # sampled, the final end-of-turn token left out
+
+
+def engine_ask(warmed: Warmed, game: Game, seed: int, replies: list[Reply]) -> Ask:
+    """``ask`` through the engine, as the inference server does it: the chat template
+    rendered to text, tokenized; the reply's text without its end-of-turn token."""
+    tokenizer = warmed.loaded.tokenizer
+
+    async def ask(messages: list[Message]) -> str:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        params = SamplingParams(
+            max_tokens=game.max_tokens,
+            temperature=game.temperature,
+            seed=seed * 16 + len(messages),
+        )
+        generation = warmed.engine.submit(tokenizer.encode(text, add_special_tokens=False), params)
+        (choice,) = await generation.wait()
+        ids = choice.token_ids[:-1] if choice.finish_reason == "stop" else choice.token_ids
+        reply = Reply(tokenizer.decode(ids, skip_special_tokens=False), ids)
+        replies.append(reply)
+        return reply.text
+
+    return ask
+
+
+async def play_many(warmed: Warmed, games: list[Game]) -> tuple[list[Any], list[Reply]]:
+    replies: list[Reply] = []
+    episodes = await asyncio.gather(
+        *(play(game, engine_ask(warmed, game, i, replies)) for i, game in enumerate(games))
+    )
+    return list(episodes), replies
+
+
+def test_the_warmed_model_guesses_uniformly(warmed: Warmed) -> None:
+    """First guesses at temperature 1: valid numbers, near-uniform over the range."""
+    first = Game.from_input({"target": 1, **OPTIONS, **SAMPLING, "max_turns": 1})
+    _, replies = asyncio.run(play_many(warmed, [first] * SAMPLES))
+    guesses = [parse_guess(r.text) for r in replies]
+    low, high = OPTIONS["low"], OPTIONS["high"]
+    valid = [g for g in guesses if g is not None and low <= g <= high]
+    counts = Counter(valid)
+    expected = len(valid) / (high - low + 1)
+    chi2 = sum((counts[n] - expected) ** 2 / expected for n in range(low, high + 1))
+    tokenizer = warmed.loaded.tokenizer
+    drift = sum(tokenizer.encode(r.text, add_special_tokens=False) != r.token_ids for r in replies)
+    print(
+        f"\nwarm-up {warmed.metrics}\nfirst guesses: {len(valid) / SAMPLES:.3f} valid, "
+        f"chi2 {chi2:.1f}, counts {[counts[n] for n in range(low, high + 1)]}\n"
+        f"retokenization drift: {drift}/{len(replies)} replies"
+    )
+    assert len(valid) >= 0.95 * SAMPLES, [g for g in guesses if g not in counts]
+    assert chi2 < CHI2_BOUND, counts
+
+
+def test_the_warmed_model_is_a_random_player(warmed: Warmed) -> None:
+    """Games at temperature 1 score like random play (~0.23), and the guesses ignore the
+    feedback: after "higher", the next guess is higher about as often as chance has it."""
+    targets = [e["target"] for e in val_inputs(SAMPLES, **OPTIONS)]
+    games = [Game.from_input({"target": t, **OPTIONS, **SAMPLING}) for t in targets]
+    episodes, replies = asyncio.run(play_many(warmed, games))
+    reward = sum(e.reward for e in episodes) / len(episodes)
+    followed = [
+        (after > before) == (answer == HIGHER)
+        for e in episodes
+        for before, after, answer in zip(
+            e.guesses, e.guesses[1:], [m["content"] for m in e.messages[2::2]], strict=False
+        )
+        if before is not None and after is not None and answer in (HIGHER, LOWER)
+    ]
+    tokenizer = warmed.loaded.tokenizer
+    drift = sum(tokenizer.encode(r.text, add_special_tokens=False) != r.token_ids for r in replies)
+    print(
+        f"\nrandom player: reward {reward:.3f} over {len(episodes)} games; follows the "
+        f"feedback {sum(followed) / len(followed):.2f} of {len(followed)} times; "
+        f"drift {drift}/{len(replies)} replies"
+    )
+    assert 0.1 <= reward <= 0.35
+    # Chance is ~0.65 (a guess below the target leaves more room above it); a player that
+    # learned the game would be near 1.
+    assert sum(followed) / len(followed) < 0.8
