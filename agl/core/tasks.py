@@ -4,7 +4,10 @@ they share."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import inspect
+import json
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -63,12 +66,37 @@ class Task:
     def val_inputs(self, n: int) -> list[Any]:
         return [self._with_sampling(x) for x in self._val(n, **self.config.options)]
 
-    def warm_up(self, model: Any, tokenizer: Any) -> Mapping[str, float] | None:
+    def warm_up(
+        self, model: Any, tokenizer: Any, cache_dir: Path | None = None, model_key: str = ""
+    ) -> Mapping[str, float] | None:
+        """Run the task's warm-up on ``model`` in place. With ``cache_dir``, the warmed
+        weights are kept there, keyed by ``model_key`` (which model, which seed), the
+        warm-up's options and its source, so sweeps and tests warm up once."""
         if self._warmup is None:
             return None
         options = {**self.config.options, **self.config.warmup_options}
         options.setdefault("seed", self.seed)
-        return self._warmup(model, tokenizer, **options)
+        if cache_dir is None:
+            return self._warmup(model, tokenizer, **options)
+        import torch
+
+        # The warm-up's whole folder: it may use the harness's messages.
+        folder = Path(inspect.getfile(self._warmup)).parent
+        source = b"".join(p.read_bytes() for p in sorted(folder.glob("*.py")))
+        key = hashlib.sha256(
+            json.dumps([model_key, self.config.warmup, options], sort_keys=True).encode()
+            + source
+        ).hexdigest()[:16]
+        path = cache_dir / f"{self.config.name}-{key}.pt"
+        if path.exists():
+            model.load_state_dict(torch.load(path, map_location="cpu"))
+            return {"cached": 1.0}
+        metrics = self._warmup(model, tokenizer, **options)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        torch.save(model.state_dict(), partial)
+        partial.replace(path)
+        return metrics
 
     def _with_sampling(self, data: Any) -> Any:
         if isinstance(data, dict):

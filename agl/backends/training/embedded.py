@@ -1,0 +1,42 @@
+"""The torch backend collocated with the embedded inference engine in one process: both
+hold the same ``nn.Module``, so an update is "pause the engine, step the optimizer in
+place, bump the version" — no copy, no transfer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from agl.backends.inference.engine import Engine
+from agl.backends.training.torch import TorchBackend
+from agl.core.trainer import Loss
+from agl.core.types import Sample
+
+CHECKPOINT = "policy.pt"
+
+
+class EmbeddedPolicy:
+    def __init__(self, backend: TorchBackend, engine: Engine) -> None:
+        self.backend = backend
+        self.engine = engine
+
+    def train(
+        self,
+        samples: list[Sample],
+        advantages: list[float],
+        loss: Loss,
+        token_scale: list[list[float]] | None,
+    ) -> dict[str, float]:
+        # The trainer runs this with no generation in flight; pausing the engine makes it
+        # a guarantee (a stray request waits instead of reading half-updated weights).
+        with self.engine.paused():
+            return self.backend.train(samples, advantages, loss, token_scale)
+
+    def save(self, folder: Path) -> None:
+        torch.save(self.backend.state_dict(), folder / CHECKPOINT)
+
+    def load(self, folder: Path) -> None:
+        state = torch.load(folder / CHECKPOINT, map_location="cpu", weights_only=False)
+        with self.engine.paused():
+            self.backend.load_state_dict(state)

@@ -1,0 +1,289 @@
+"""``python -m agl.train [group=option ...] [key=value ...]``: one training run (``-m`` for
+a Hydra sweep, each run in its own folder).
+
+A run starts its parts, trains, and stops them all, also on Ctrl-C or a crash:
+the gateway (a child process, store in ``<run>/gateway/``), the embedded inference
+server (a thread sharing the model with the trainer), the local rollout controller and
+its agent workers (child processes). Metrics go to ``<run>/metrics.jsonl`` and W&B.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+GROUPS = ("merge", "advantage", "loss", "model", "task", "backend", "controller")
+
+log = logging.getLogger("agl.train")
+
+
+class UserError(Exception):
+    """A problem the user can fix; reported in one line, without a traceback."""
+
+
+def check_choices(argv: Sequence[str], conf: Path = CONF) -> str | None:
+    """The first ``group=option`` naming an option that has no yaml, as a message."""
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if not sep or key not in GROUPS:
+            continue
+        for option in value.split(","):
+            if not (conf / key / f"{option}.yaml").exists():
+                known = sorted(p.stem for p in (conf / key).glob("*.yaml"))
+                return f"unknown {key} {option!r}; choose one of: {', '.join(known)}"
+    return None
+
+
+def main() -> None:
+    problem = check_choices(sys.argv[1:])
+    if problem:
+        sys.stderr.write(f"agl.train: {problem}\n")
+        raise SystemExit(2)
+    import hydra
+
+    hydra.main(config_path=str(CONF), config_name="train", version_base="1.3")(_hydra_job)()
+
+
+def _hydra_job(cfg: Any) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    sweep = None
+    if hydra_cfg.mode.name == "MULTIRUN":
+        sweep = Path(hydra_cfg.sweep.dir).name
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        train(cfg, run_dir, sweep=sweep)
+    except UserError as error:
+        sys.stderr.write(f"agl.train: {error}\n")
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        sys.stderr.write("agl.train: interrupted; every part of the run is stopped\n")
+        raise SystemExit(130) from None
+
+
+def train(cfg: Any, run_dir: Path, sweep: str | None = None) -> list[dict[str, float]]:
+    """Run one experiment described by the composed config ``cfg``; answers its metrics."""
+    from omegaconf import OmegaConf
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _setup_logging(run_dir, cfg.logging.level)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return asyncio.run(_run(cfg, run_dir, sweep))
+
+
+async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, float]]:
+    import torch
+    from omegaconf import OmegaConf
+
+    from agl.backends.execution.local import LocalExecutor, LocalExecutorConfig
+    from agl.backends.inference.embedded import EmbeddedServer
+    from agl.backends.inference.models import ModelUnavailable, default_cache_dir, load_model
+    from agl.backends.training.embedded import EmbeddedPolicy
+    from agl.backends.training.torch import TorchBackend, TorchBackendConfig
+    from agl.core.assemble import MergeStrategy
+    from agl.core.client import AsyncGatewayClient, fast_http_client
+    from agl.core.console import Progress, summary
+    from agl.core.controller import Controller
+    from agl.core.records import ModelEndpoint
+    from agl.core.registry import get
+    from agl.core.services import ChildGateway
+    from agl.core.tasks import Task, TaskConfig
+    from agl.core.tracking import Tracker
+    from agl.core.trainer import Trainer, TrainerConfig
+
+    started = time.monotonic()
+    options = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(options, dict)
+    torch.manual_seed(cfg.seed)
+    try:
+        trainer_config = TrainerConfig(**options["trainer"])
+        backend_options = {
+            k: v for k, v in options["backend"].items() if k not in ("name", "torch_threads")
+        }
+        backend_options["betas"] = tuple(backend_options.get("betas", (0.9, 0.999)))
+        backend_config = TorchBackendConfig(**backend_options)
+        merge = MergeStrategy(get("merge", cfg.merge.name), _options(options["merge"]))
+        advantage_fn = get("advantage", cfg.advantage.name)
+        advantage_options = _options(options["advantage"])
+        loss = get("loss", cfg.loss.name)
+        task = Task(TaskConfig(**options["task"]), ROOT, seed=cfg.seed)
+    except (TypeError, ValueError, KeyError) as error:
+        raise UserError(f"bad configuration: {error}") from None
+    try:
+        loaded = load_model(
+            cfg.model.name,
+            cache_dir=Path(cfg.model.cache_dir) if cfg.model.get("cache_dir") else None,
+            seed=cfg.model.get("seed", 0),
+        )
+    except (ValueError, ModelUnavailable) as error:
+        raise UserError(str(error)) from None
+    torch.set_num_threads(cfg.backend.torch_threads)
+    merge = MergeStrategy(
+        merge.merge,
+        merge.options,
+        decode=lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=False),
+    )
+
+    def advantage(samples: list[Any], rewards: dict[str, float]) -> list[float]:
+        return advantage_fn(samples, rewards, **advantage_options)
+
+    with contextlib.ExitStack() as stack:
+        try:
+            gateway = ChildGateway(run_dir / "gateway", cfg.gateway.host, cfg.gateway.port)
+        except OSError as error:
+            raise UserError(str(error)) from None
+        gateway.start()
+        stack.callback(gateway.stop)
+        if not cfg.resume:
+            warm = task.warm_up(
+                loaded.model,
+                loaded.tokenizer,
+                cache_dir=default_cache_dir().parent / "warmup",
+                model_key=f"{loaded.name}:{cfg.model.get('seed', 0)}",
+            )
+            if warm:
+                log.info("warm-up: %s", warm)
+        try:
+            server = EmbeddedServer(
+                loaded.model,
+                loaded.tokenizer,
+                loaded.name,
+                host=cfg.inference.host,
+                port=cfg.inference.port,
+                max_batch_size=cfg.inference.max_batch_size,
+                max_context=cfg.model.get("max_context") or loaded.max_context,
+                seed=cfg.seed,
+                num_threads=cfg.inference.torch_threads,
+            )
+        except (OSError, ValueError) as error:
+            raise UserError(str(error)) from None
+        stack.callback(server.close)
+        server.start()
+        policy = EmbeddedPolicy(TorchBackend(loaded.model, backend_config), server.engine)
+        http = fast_http_client(64)
+        client = AsyncGatewayClient(gateway.url, gateway.token, timeout_s=120.0, http=http)
+        await client.delete_models(loaded.name)  # endpoints of an earlier run in this folder
+
+        async def publish(version: int) -> None:
+            await asyncio.to_thread(server.publish, version)
+            await client.register_models(
+                [ModelEndpoint(model=loaded.name, endpoint=server.url, policy_version=version)]
+            )
+
+        executor = LocalExecutor(
+            LocalExecutorConfig(
+                harness=cfg.task.harness,
+                run_dir=run_dir,
+                workers=cfg.controller.workers,
+                concurrency=cfg.controller.concurrency,
+                extra_pythonpath=[str(ROOT)],
+            )
+        )
+        controller = Controller(
+            client,
+            executor,
+            gateway_url=gateway.url,
+            model=loaded.name,
+            poll_s=cfg.controller.poll_s,
+        )
+        try:
+            await executor.start()
+        except ValueError as error:
+            raise UserError(str(error)) from None
+        controller_task = asyncio.create_task(controller.run(), name="controller")
+        tracker = Tracker(
+            run_dir,
+            options,
+            wandb=cfg.logging.wandb,
+            project=cfg.logging.wandb_project,
+            group=sweep,
+            name=run_dir.name,
+            tags=[f"{g}={cfg[g].name}" for g in ("merge", "advantage", "loss", "model", "task")]
+            + [f"mode={cfg.trainer.mode}"],
+            resume=cfg.resume,
+        )
+        stack.callback(tracker.close)
+        progress = Progress(trainer_config.steps, enabled=cfg.logging.progress)
+        stack.callback(progress.close)
+
+        def on_step(step: int, metrics: dict[str, float]) -> None:
+            metrics["inference/busy_s"] = server.engine.stats.busy_s  # cumulative
+            metrics["inference/tokens"] = float(server.engine.stats.tokens_generated)
+            tracker.log(step, metrics)
+            progress.update(step, metrics)
+
+        trainer = Trainer(
+            client=client,
+            policy=policy,
+            publish=publish,
+            task=task,
+            merge=merge,
+            advantage=advantage,
+            loss=loss,
+            config=trainer_config,
+            run_dir=run_dir,
+            on_step=on_step,
+        )
+        try:
+            await _until_first_done(trainer.run(resume=cfg.resume), controller_task)
+        finally:
+            controller_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await controller_task
+            await http.aclose()
+        progress.close()
+        if cfg.logging.progress:
+            sys.stderr.write(
+                summary(tracker.history, str(run_dir), time.monotonic() - started) + "\n"
+            )
+        return tracker.history
+
+
+async def _until_first_done(main: Any, companion: asyncio.Task[Any]) -> Any:
+    """Run ``main``; if ``companion`` (the controller) dies first, fail with its error."""
+    main_task = asyncio.ensure_future(main)
+    done, _ = await asyncio.wait({main_task, companion}, return_when=asyncio.FIRST_COMPLETED)
+    if main_task in done:
+        return main_task.result()
+    main_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await main_task
+    error = companion.exception()
+    raise RuntimeError(f"the rollout controller stopped: {error!r}")
+
+
+def _options(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "name"}
+
+
+def _setup_logging(run_dir: Path, level: str) -> None:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    to_file = logging.FileHandler(run_dir / "train.log")
+    to_file.setLevel(logging.INFO)
+    to_console = logging.StreamHandler(sys.stderr)
+    to_console.setLevel(level.upper())
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in (to_file, to_console):
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    # One line per request at INFO: thousands per step.
+    for chatty in ("httpx", "httpcore"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+
+
+if __name__ == "__main__":
+    main()
