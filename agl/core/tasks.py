@@ -84,8 +84,7 @@ class Task:
         folder = Path(inspect.getfile(self._warmup)).parent
         source = b"".join(p.read_bytes() for p in sorted(folder.glob("*.py")))
         key = hashlib.sha256(
-            json.dumps([model_key, self.config.warmup, options], sort_keys=True).encode()
-            + source
+            json.dumps([model_key, self.config.warmup, options], sort_keys=True).encode() + source
         ).hexdigest()[:16]
         path = cache_dir / f"{self.config.name}-{key}.pt"
         if path.exists():
