@@ -217,9 +217,21 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
         progress = Progress(trainer_config.steps, enabled=cfg.logging.progress)
         stack.callback(progress.close)
 
+        generated = {"tokens": 0}
+
         def on_step(step: int, metrics: dict[str, float]) -> None:
-            metrics["inference/busy_s"] = server.engine.stats.busy_s  # cumulative
-            metrics["inference/tokens"] = float(server.engine.stats.tokens_generated)
+            stats = server.engine.stats
+            metrics["inference/busy_s"] = stats.busy_s  # cumulative
+            new_tokens = stats.tokens_generated - generated["tokens"]
+            generated["tokens"] = stats.tokens_generated
+            if metrics.get("time/rollout_s"):
+                metrics["throughput/generated_tokens_per_s"] = (
+                    new_tokens / metrics["time/rollout_s"]
+                )
+            if metrics.get("time/train_s"):
+                metrics["throughput/train_tokens_per_s"] = (
+                    metrics.get("train/tokens_computed", 0.0) / metrics["time/train_s"]
+                )
             tracker.log(step, metrics)
             progress.update(step, metrics)
 

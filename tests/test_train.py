@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +117,91 @@ def test_multirun_sweeps_two_strategies(tmp_path: Path) -> None:
     for run in runs:
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert any(row.get("samples", 0) > 0 for row in rows)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (from /proc: parent pid is field 4 of stat)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+def test_nothing_outlives_a_stopped_run(tmp_path: Path, how: signal.Signals) -> None:
+    overrides = [o for o in SMALL if not o.startswith("trainer.steps")]
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "agl.train",
+            *overrides,
+            "trainer.steps=1000",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        assert time.monotonic() < deadline, "the run made no step"
+        time.sleep(0.2)
+    children = _descendants(process.pid)
+    assert len(children) >= 2  # the gateway and at least one agent worker
+    process.send_signal(how)
+    process.wait(timeout=60)
+    if how is signal.SIGINT:
+        assert process.returncode == 130
+        assert "interrupted" in (process.stderr.read() if process.stderr else "")
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in children):
+        assert time.monotonic() < deadline, [p for p in children if _alive(p)]
+        time.sleep(0.1)
+
+
+def test_a_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "agl.train",
+                *SMALL,
+                f"gateway.port={port}",
+                f"hydra.run.dir={tmp_path}",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"agl.train: gateway port {port} on 127.0.0.1 is in use"
+    )
