@@ -28,8 +28,8 @@ def train_inputs(
     seed: int,
     *,
     low: int = 1,
-    high: int = 16,
-    max_turns: int = 4,
+    high: int = 8,
+    max_turns: int = 3,
     **extra: Any,
 ) -> list[dict[str, Any]]:
     """``n`` games for training step ``step``: targets uniform in ``[low, high]``, the
@@ -41,7 +41,7 @@ def train_inputs(
 
 
 def val_inputs(
-    n: int, *, low: int = 1, high: int = 16, max_turns: int = 4, **extra: Any
+    n: int, *, low: int = 1, high: int = 8, max_turns: int = 3, **extra: Any
 ) -> list[dict[str, Any]]:
     """``n`` fixed games whose targets are spread evenly over the range (every target
     equally often when ``n`` is a multiple of its size), so validation has no data noise."""

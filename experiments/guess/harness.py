@@ -1,8 +1,9 @@
 """The guessing-game harness: a real agent that talks to its model through the OpenAI API.
 
-The user states a range; each assistant turn is a guess (the first integer of the reply);
-the user answers "higher", "lower", or "a number, please" (a reply without a number still
-costs its turn). Reward 1.0 when the target is hit within ``max_turns``, else 0.0.
+The user states a range; each assistant turn is a guess (the first integer of the reply,
+so "maybe 7" guesses 7); the user answers "higher", "lower", or "a number, please" (a reply
+without a number still costs its turn), each followed by the range the target is known to
+lie in. Reward 1.0 when the target is hit within ``max_turns``, else 0.0.
 
 Like any real harness it appends each reply to the history as the *text* it received, so
 the next prompt is a retokenization of that text: the natural drift agl studies.
@@ -63,10 +64,12 @@ class GameInputError(ValueError):
 class Game:
     target: int
     low: int = 1
-    high: int = 16
-    max_turns: int = 4
+    high: int = 8
+    max_turns: int = 3
     temperature: float = 1.0
-    max_tokens: int = 6
+    # The warmed player answers "maybe 7" and the end-of-turn token: 6 tokens canonically,
+    # up to 8 when it samples a noncanonical segmentation ("m|a|y|b|e| |7").
+    max_tokens: int = 10
     # Agent latency (bench/async.py): before each call the harness "thinks" for a time
     # drawn from a lognormal with this median (0: no wait) and shape.
     think_median_s: float = 0.0
@@ -133,13 +136,21 @@ def parse_guess(text: str) -> int | None:
     return int(match.group()) if match else None
 
 
-def feedback(guess: int | None, target: int) -> str | None:
-    """The user's answer to a guess; None when it hits."""
+def feedback(guess: int | None, target: int, low: int, high: int) -> tuple[str | None, int, int]:
+    """The user's answer to a guess (None when it hits) and the range the target is now
+    known to lie in. The answer restates that range ("higher, 9 to 16"), as a person
+    keeping score would: the game stays multi-turn, but what the model must use sits in
+    the last message, which a small model learns to read far sooner than its own history.
+    """
     if guess is None:
-        return NOT_A_NUMBER
+        return f"{NOT_A_NUMBER}, {low} to {high}", low, high
     if guess == target:
-        return None
-    return HIGHER if guess < target else LOWER
+        return None, low, high
+    if guess < target:
+        low = max(low, guess + 1)
+        return f"{HIGHER}, {low} to {high}", low, high
+    high = min(high, guess - 1)
+    return f"{LOWER}, {low} to {high}", low, high
 
 
 @dataclass
@@ -162,6 +173,7 @@ async def play(game: Game, ask: Ask, rng: random.Random | None = None) -> Episod
     ``rng`` draws the think times (when the game has any)."""
     rng = rng or random.Random()
     episode = Episode(messages=[{"role": "user", "content": opening(game.low, game.high)}])
+    low, high = game.low, game.high
     for _ in range(game.max_turns):
         think = game.think_s(rng)
         if think > 0:
@@ -171,7 +183,7 @@ async def play(game: Game, ask: Ask, rng: random.Random | None = None) -> Episod
         episode.messages.append({"role": "assistant", "content": reply})
         episode.replies.append(reply)
         episode.guesses.append(guess)
-        answer = feedback(guess, game.target)
+        answer, low, high = feedback(guess, game.target, low, high)
         if answer is None:
             episode.won = True
             break

@@ -3,20 +3,27 @@
 The tiny model's weights are random, so it would answer with random tokens and never
 score. RL starts instead from a player that knows the *format* but not the game: it is
 trained on synthetic transcripts, rendered with the tokenizer's chat template exactly as
-the harness builds its chats, in which every assistant turn is a number drawn uniformly
-from the range (independent of the feedback) followed by the end-of-turn token. Since
-the answers carry no information about the target, the best the model can learn is to
-ignore the feedback and guess uniformly: random play (1 - (15/16)^4 ≈ 0.23 on 1..16
-with 4 turns), which leaves RL the whole strategy to learn.
+the harness builds its chats, in which every assistant turn is ``"maybe N"`` with ``N``
+drawn uniformly from the range (independent of the feedback) followed by the end-of-turn
+token. Since the answers carry no information about the target, the best the model can
+learn is to ignore the feedback and guess uniformly: random play (1 - (7/8)^3 ≈ 0.33 on
+1..8 with 3 turns), which leaves RL the whole strategy to learn.
 
-The loss is on assistant tokens only (the number and its end-of-turn token). Numbers
-keep their canonical tokenization (the tokenizer's own encoding of the rendered chat), so
-whatever drift sampling produces is the model's own. With the tiny model's BPE, whose
-digits are single tokens, a number has only one tokenization: drift needs other text.
+The loss is on assistant tokens only (the reply and its end-of-turn token). The replies
+are tokenized with BPE-dropout (Provilkov et al., 2020: while encoding, each applicable
+merge is skipped with probability ``dropout``), everything else canonically. A pretrained
+model puts real mass on noncanonical segmentations of its own text; so does the warmed
+tiny model, so sampling at temperature 1 produces replies whose ids are not the
+tokenizer's encoding of their text, and the harness's decode -> retokenize of the history
+breaks the token prefix (the drift the merge strategies handle differently). Without it
+there is no drift at all: this BPE has no multi-digit tokens, so a bare number has one
+tokenization. ``"maybe"`` is canonically ``m|ay|be``, two merges that dropout can skip.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import random
 import re
 import time
@@ -27,25 +34,36 @@ import torch
 
 from experiments.guess.harness import Message, feedback, opening
 
-# Measured on 2 CPU cores (README): ~0.07 s a step, so ~10 s in all; after it >99% of
-# the probability mass is on valid numbers, each within ~15% of 1/16 on every turn. Fewer
-# steps or a larger lr leave some contexts lopsided (lr 1e-2 can stall at loss 1.42).
+# Measured on 2 CPU cores (README): ~0.1 s a step under load, so ~8-10 s on an idle
+# machine; after it the loss is at its floor (~0.41 per assistant token), >99.5% of the
+# replies are "maybe N" with N within ~15% of 1/8, and ~13% of the sampled replies are
+# noncanonical. With 100 steps the rare segmentations are under-learned (~9% drift).
 STEPS = 150
-BATCH_SIZE = 16  # one balanced deck of 1..16 per turn (see _Deck)
+BATCH_SIZE = 16  # two balanced decks of 1..8 per turn (see _Deck)
 LR = 5e-3
+# The probability of skipping each merge in a reply. 0.1 leaves ~11% of the training
+# replies noncanonical, and the warmed model samples about as many (README).
+DROPOUT = 0.1
 
-# An assistant turn's content and its end-of-turn token: the tokens the model must learn.
-_ASSISTANT = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", re.DOTALL)
+# An assistant turn: its content and its end-of-turn token, the tokens the model learns.
+_ASSISTANT = re.compile(r"<\|im_start\|>assistant\n(.*?)(<\|im_end\|>)", re.DOTALL)
 _IGNORE = -100  # the label HF's loss skips
+
+
+def reply(guess: int) -> str:
+    """The random player's reply: a word before the number, so that the reply has
+    merges BPE-dropout can skip (the harness reads the first integer)."""
+    return f"maybe {guess}"
 
 
 def random_game(target: int, guesses: Sequence[int], low: int, high: int) -> list[Message]:
     """The chat the harness builds for a player making ``guesses`` (one per turn, in
     order): it ends at a hit or after the last guess (whose feedback is never sent)."""
     messages: list[Message] = [{"role": "user", "content": opening(low, high)}]
+    known_low, known_high = low, high
     for guess in guesses:
-        messages.append({"role": "assistant", "content": str(guess)})
-        answer = feedback(guess, target)
+        messages.append({"role": "assistant", "content": reply(guess)})
+        answer, known_low, known_high = feedback(guess, target, known_low, known_high)
         if answer is None:
             break
         messages.append({"role": "user", "content": answer})
@@ -75,32 +93,93 @@ class _Deck:
         return self._left.pop()
 
 
-def encode_game(tokenizer: Any, messages: list[Message]) -> tuple[list[int], list[int]]:
+class DropoutBPE:
+    """BPE-dropout over a byte-level BPE ``tokenizers`` model, seeded.
+
+    The words come from the tokenizer's own pre-tokenizer; in each word, every step
+    applies the best-ranked merge among those that survive a skip with probability
+    ``p``, and stops when none does (Provilkov et al.'s algorithm). ``p = 0`` is the
+    canonical encoding. Written here rather than ``tokenizers``' own ``dropout`` setting
+    because that one draws from an unseedable thread RNG: the warm-up stays a function
+    of its seed. Text with special tokens is not supported (encode them apart).
+    """
+
+    def __init__(self, tokenizer: Any, p: float, rng: random.Random) -> None:
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), not {p}")
+        backend = tokenizer.backend_tokenizer
+        model = json.loads(backend.to_str())["model"]
+        if model["type"] != "BPE":
+            raise ValueError(f"BPE-dropout needs a BPE tokenizer, not {model['type']}")
+        self.p = p
+        self._rng = rng
+        self._pre = backend.pre_tokenizer
+        self._vocab: dict[str, int] = model["vocab"]
+        merges = [m.split(" ") if isinstance(m, str) else m for m in model["merges"]]
+        self._ranks = {(a, b): rank for rank, (a, b) in enumerate(merges)}
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for word, _ in self._pre.pre_tokenize_str(text):
+            symbols = list(word)
+            while len(symbols) > 1:
+                candidates = [
+                    (rank, i)
+                    for i, pair in enumerate(itertools.pairwise(symbols))
+                    if (rank := self._ranks.get(pair)) is not None
+                    and (self.p == 0.0 or self._rng.random() >= self.p)
+                ]
+                if not candidates:
+                    break
+                _, i = min(candidates)
+                symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+            ids += [self._vocab[symbol] for symbol in symbols]
+        return ids
+
+
+def encode_game(
+    tokenizer: Any, messages: list[Message], dropout: DropoutBPE | None = None
+) -> tuple[list[int], list[int]]:
     """Token ids of the rendered chat and a 0/1 mask of its assistant tokens.
 
     The text is cut at assistant turns and each piece encoded alone; that must equal the
     encoding of the whole text (special tokens split the BPE), which is checked, so the
-    mask is exact and the ids are the canonical tokenization.
+    mask is exact and the ids are the canonical tokenization. With ``dropout``, each
+    assistant turn's content is then re-encoded with it (its end-of-turn token stays),
+    checked to decode to the same text.
     """
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     pieces: list[tuple[str, int]] = []
     at = 0
     for match in _ASSISTANT.finditer(text):
-        pieces += [(text[at : match.start(1)], 0), (match.group(1), 1)]
-        at = match.end(1)
+        pieces += [(text[at : match.start(1)], 0), (match.group(1), 1), (match.group(2), 1)]
+        at = match.end(2)
     pieces.append((text[at:], 0))
     # One batched call (the pieces and the whole text): per-call overhead dominates here.
     encoded = tokenizer([piece for piece, _ in pieces] + [text], add_special_tokens=False)
     *piece_ids, whole = encoded["input_ids"]
+    if [token for one in piece_ids for token in one] != whole:
+        raise ValueError("the chat template's turns do not tokenize independently")
+    if dropout is not None:
+        # A content piece is the one before an end-of-turn piece: every third from 1.
+        for i in range(1, len(pieces) - 1, 3):
+            ids = dropout.encode(pieces[i][0])
+            if tokenizer.decode(ids, skip_special_tokens=False) != pieces[i][0]:
+                raise ValueError(f"BPE-dropout changed the text {pieces[i][0]!r}")
+            piece_ids[i] = ids
     ids = [token for one in piece_ids for token in one]
     mask = [label for one, (_, label) in zip(piece_ids, pieces, strict=True) for _ in one]
-    if ids != whole:
-        raise ValueError("the chat template's turns do not tokenize independently")
     return ids, mask
 
 
 def _batch(
-    tokenizer: Any, targets: _Deck, turns: list[_Deck], size: int, low: int, high: int
+    tokenizer: Any,
+    dropout: DropoutBPE,
+    targets: _Deck,
+    turns: list[_Deck],
+    size: int,
+    low: int,
+    high: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded input ids, attention mask and labels (-100 off the assistant turns).
     Targets and each turn's guesses come from their own decks (independent draws)."""
@@ -108,6 +187,7 @@ def _batch(
         encode_game(
             tokenizer,
             random_game(targets.draw(), [deck.draw() for deck in turns], low, high),
+            dropout,
         )
         for _ in range(size)
     ]
@@ -144,13 +224,15 @@ def warm_up(
     lr: float = LR,
     seed: int = 0,
     low: int = 1,
-    high: int = 16,
-    max_turns: int = 4,
+    high: int = 8,
+    max_turns: int = 3,
+    dropout: float = DROPOUT,
 ) -> dict[str, float]:
     """Train ``model`` in place into a random player; answers ``loss`` (mean of the last
     10 steps, per assistant token), ``first_loss`` and ``seconds``.
 
-    Fresh games every step (deterministic in ``seed``), AdamW with a linear decay to 0
+    Fresh games every step, their replies segmented with BPE-dropout ``dropout``
+    (deterministic in ``seed``), AdamW with a linear decay to 0
     (the end of the run settles on the uniform answer instead of chasing the last
     batches). The model is left in eval mode. Run it before an inference engine serves
     the model (or inside the engine's ``paused()``): it changes the weights in place.
@@ -161,6 +243,7 @@ def warm_up(
     rng = random.Random(f"guess-warmup:{seed}")
     targets = _Deck(rng, low, high)
     turns = [_Deck(rng, low, high) for _ in range(max_turns)]
+    segment = DropoutBPE(tokenizer, dropout, random.Random(f"guess-warmup-dropout:{seed}"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     ramp = max(1, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -171,7 +254,7 @@ def warm_up(
     model.train()
     try:
         for _ in range(steps):
-            batch = _batch(tokenizer, targets, turns, batch_size, low, high)
+            batch = _batch(tokenizer, segment, targets, turns, batch_size, low, high)
             loss = _assistant_loss(model, *(tensor.to(device) for tensor in batch))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
