@@ -77,11 +77,24 @@ def test_train_inputs_are_deterministic_in_seed_and_step() -> None:
     assert len({e["target"] for e in batch}) > 4  # spread, not one target
 
 
-def test_val_inputs_are_fixed_and_spread_evenly() -> None:
+def test_val_inputs_are_fixed_and_follow_the_house_weights() -> None:
     val = val_inputs(64, **OPTIONS)
     assert val == val_inputs(64, **OPTIONS)
-    assert Counter(e["target"] for e in val) == {t: 8 for t in range(1, 9)}
+    weights = OPTIONS["target_weights"]
+    assert Counter(e["target"] for e in val) == {
+        t: 64 * w // sum(weights) for t, w in enumerate(weights, start=1)
+    }
     assert all(e["max_turns"] == OPTIONS["max_turns"] for e in val)
+    assert all("target_weights" not in e for e in val)  # the harness never sees the habit
+    uniform = val_inputs(64, **(OPTIONS | {"target_weights": None}))
+    assert Counter(e["target"] for e in uniform) == {t: 8 for t in range(1, 9)}
+
+
+def test_train_targets_follow_the_house_weights() -> None:
+    counts = Counter(e["target"] for e in train_inputs(0, 4000, 0, **OPTIONS))
+    weights = OPTIONS["target_weights"]
+    for target, weight in enumerate(weights, start=1):
+        assert abs(counts[target] / 4000 - weight / sum(weights)) < 0.03
 
 
 # ------------------------------------------------------------------------------ game

@@ -36,12 +36,23 @@ class Tracker:
         self._wandb = _start_wandb(run_dir, config, project, group, name, tags) if wandb else None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self.history and self.history[-1]["step"] >= step:
+            # Resumed from a checkpoint older than the last line: those steps are redone.
+            self._rewrite([r for r in self.history if r["step"] < step])
         row = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
         self.history.append(row)
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._wandb is not None:
             self._wandb.log(dict(metrics), step=step)
+
+    def _rewrite(self, rows: list[dict[str, Any]]) -> None:
+        self._file.close()
+        partial = self.path.with_suffix(".partial")
+        partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        partial.replace(self.path)
+        self.history = rows
+        self._file = self.path.open("a")
 
     def close(self) -> None:
         self._file.close()

@@ -1,5 +1,10 @@
 """Inputs of the guessing game: training examples per step and a fixed validation set.
 
+The house does not pick its numbers uniformly: ``target_weights`` (one weight per number
+of the range; default favours the middle) is its habit. A player can learn it from the
+rewards alone — a first gain RL finds within minutes, before the slower one of reading
+the feedback. Uniform targets: ``target_weights: null``.
+
 An input is what the harness reads (``experiments.guess.harness.Game.from_input``):
 ``{"target", "low", "high", "max_turns"}`` plus whatever other task options the trainer
 passes (the sampling options ``temperature`` and ``max_tokens``), copied as they are.
@@ -7,7 +12,10 @@ passes (the sampling options ``temperature`` and ``max_tokens``), copied as they
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import random
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -22,6 +30,18 @@ def _check(n: int, low: int, high: int, max_turns: int) -> None:
         raise ValueError(f"bad task: n={n}, low={low}, high={high}, max_turns={max_turns}")
 
 
+def _weights(low: int, high: int, target_weights: Sequence[float] | None) -> list[float]:
+    span = high - low + 1
+    if target_weights is None:
+        return [1.0] * span
+    if len(target_weights) != span or min(target_weights) < 0 or sum(target_weights) <= 0:
+        raise ValueError(
+            f"target_weights needs {span} non-negative weights (one per number of "
+            f"{low}..{high}), not {list(target_weights)}"
+        )
+    return [float(w) for w in target_weights]
+
+
 def train_inputs(
     step: int,
     n: int,
@@ -30,21 +50,35 @@ def train_inputs(
     low: int = 1,
     high: int = 8,
     max_turns: int = 3,
+    target_weights: Sequence[float] | None = None,
     **extra: Any,
 ) -> list[dict[str, Any]]:
-    """``n`` games for training step ``step``: targets uniform in ``[low, high]``, the
-    same for the same ``(seed, step)`` (a resumed run replays its data)."""
+    """``n`` games for training step ``step``: targets drawn from the house's weights
+    (uniform by default), the same for the same ``(seed, step)`` (a resumed run replays
+    its data)."""
     _check(n, low, high, max_turns)
+    weights = _weights(low, high, target_weights)
     # A string seed is hashed with SHA-512: stable across processes and Python versions.
     rng = random.Random(f"guess-train:{seed}:{step}")
-    return [_game(rng.randint(low, high), low, high, max_turns, extra) for _ in range(n)]
+    targets = rng.choices(range(low, high + 1), weights, k=n)
+    return [_game(t, low, high, max_turns, extra) for t in targets]
 
 
 def val_inputs(
-    n: int, *, low: int = 1, high: int = 8, max_turns: int = 3, **extra: Any
+    n: int,
+    *,
+    low: int = 1,
+    high: int = 8,
+    max_turns: int = 3,
+    target_weights: Sequence[float] | None = None,
+    **extra: Any,
 ) -> list[dict[str, Any]]:
-    """``n`` fixed games whose targets are spread evenly over the range (every target
-    equally often when ``n`` is a multiple of its size), so validation has no data noise."""
+    """``n`` fixed games whose targets follow the house's weights exactly (the target at
+    each of ``n`` evenly spaced quantiles), so validation has no data noise; uniform
+    weights spread the targets evenly over the range."""
     _check(n, low, high, max_turns)
-    span = high - low + 1
-    return [_game(low + i * span // n, low, high, max_turns, extra) for i in range(n)]
+    weights = _weights(low, high, target_weights)
+    cumulative = list(itertools.accumulate(weights))
+    total = cumulative[-1]
+    targets = [low + bisect.bisect_right(cumulative, (i + 0.5) * total / n) for i in range(n)]
+    return [_game(min(t, high), low, high, max_turns, extra) for t in targets]

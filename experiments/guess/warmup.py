@@ -227,6 +227,7 @@ def warm_up(
     high: int = 8,
     max_turns: int = 3,
     dropout: float = DROPOUT,
+    target_weights: Sequence[float] | None = None,
 ) -> dict[str, float]:
     """Train ``model`` in place into a random player; answers ``loss`` (mean of the last
     10 steps, per assistant token), ``first_loss`` and ``seconds``.
@@ -236,6 +237,9 @@ def warm_up(
     (the end of the run settles on the uniform answer instead of chasing the last
     batches). The model is left in eval mode. Run it before an inference engine serves
     the model (or inside the engine's ``paused()``): it changes the weights in place.
+
+    ``target_weights`` (the house's habit) is accepted and ignored: a random player does
+    not know it.
     """
     if steps < 1 or batch_size < 1 or not low <= high or max_turns < 1:
         raise ValueError("warm_up needs steps, batch_size, max_turns >= 1 and low <= high")
