@@ -89,8 +89,10 @@ class EmbeddedServer:
         self.engine.update_weights(None, policy_version)
 
     def close(self) -> None:
+        # The engine first: requests still waiting on it are answered (with an error)
+        # instead of being cancelled mid-handler by uvicorn's shutdown timeout.
+        self.engine.close()
         self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(timeout=10)
-        self.engine.close()
         self._socket.close()
