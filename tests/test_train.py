@@ -98,8 +98,9 @@ def test_multirun_sweeps_two_strategies(tmp_path: Path) -> None:
             "agl.train",
             "-m",
             "merge=prefix,tree",
-            *[o for o in SMALL if not o.startswith("trainer.steps")],
+            *[o for o in SMALL if not o.startswith(("trainer.steps", "logging.wandb"))],
             "trainer.steps=1",
+            "logging.wandb=true",  # offline: WANDB_MODE below
             f"hydra.sweep.dir={sweep}",
         ],
         capture_output=True,
@@ -117,6 +118,7 @@ def test_multirun_sweeps_two_strategies(tmp_path: Path) -> None:
     for run in runs:
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert any(row.get("samples", 0) > 0 for row in rows)
+        assert list((run / "wandb").glob("offline-run-*"))  # one W&B run per sweep run
 
 
 def _descendants(pid: int) -> set[int]:
