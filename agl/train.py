@@ -113,7 +113,7 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
         }
         backend_options["betas"] = tuple(backend_options.get("betas", (0.9, 0.999)))
         backend_config = TorchBackendConfig(**backend_options)
-        merge = MergeStrategy(get("merge", cfg.merge.name), _options(options["merge"]))
+        merge_fn = get("merge", cfg.merge.name)
         advantage_fn = get("advantage", cfg.advantage.name)
         advantage_options = _options(options["advantage"])
         loss = get("loss", cfg.loss.name)
@@ -130,8 +130,8 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
         raise UserError(str(error)) from None
     torch.set_num_threads(cfg.backend.torch_threads)
     merge = MergeStrategy(
-        merge.merge,
-        merge.options,
+        merge_fn,
+        _options(options["merge"]),
         decode=lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=False),
     )
 

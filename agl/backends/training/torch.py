@@ -234,9 +234,12 @@ def entropy_of(logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def k3(logp_new: torch.Tensor, logp_old: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(behaviour || current), ``exp(d) - d - 1`` ≥ 0."""
-    d = (logp_old - logp_new).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    return torch.exp(d) - d - 1.0
+    """Schulman's k3 estimator of KL(behaviour || current) on tokens sampled from the
+    behaviour policy: with ``r = p_current / p_behaviour``, ``(r - 1) - log r`` ≥ 0.
+    (The other orientation, ``p_behaviour / p_current``, is heavy-tailed here: one token
+    the update made unlikely dominates the mean.)"""
+    log_r = (logp_new - logp_old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return torch.exp(log_r) - log_r - 1.0
 
 
 # --- metrics ------------------------------------------------------------------------------
