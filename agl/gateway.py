@@ -11,13 +11,11 @@ import uvicorn
 from agl.core.auth import load_admin_token
 from agl.core.cli import parse_or_exit
 from agl.core.gateway import GatewayConfig, create_app
-from agl.core.services import bind_to_parent
 
 log = logging.getLogger("agl.gateway")
 
 
 def main(argv: list[str] | None = None) -> None:
-    bind_to_parent()
     config = parse_or_exit(GatewayConfig, sys.argv[1:] if argv is None else argv, "agl.gateway")
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

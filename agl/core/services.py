@@ -1,6 +1,7 @@
 """Child services of a training run: the gateway as its own process (its own GIL, its own
 crash domain), tied to the trainer's lifetime so that nothing outlives a run — also on
-Ctrl-C, a crash, or ``kill -9`` of the trainer (Linux: the kernel's parent-death signal).
+Ctrl-C, a crash, or ``kill -9`` of the trainer (Linux: the kernel's parent-death signal,
+set by :func:`die_with_parent`, which the agent workers use too).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -23,27 +25,34 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-PARENT_ENV = "AGL_PARENT_PID"
+_PREEXEC: dict[int, Callable[[], None] | None] = {}
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a child that must not outlive this process (see
-    :func:`bind_to_parent`, which the child calls at start)."""
-    return {**os.environ, PARENT_ENV: str(os.getpid()), **extra}
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks Linux to SIGKILL the child when its parent dies, also by
+    ``kill -9`` (``PR_SET_PDEATHSIG``); None elsewhere. libc is loaded here, once per
+    process, so the forked child only makes two system calls (no dlopen after fork, which
+    is what makes a ``preexec_fn`` unsafe in a parent running threads)."""
+    if os.getpid() not in _PREEXEC:
+        _PREEXEC[os.getpid()] = _make_preexec()
+    return _PREEXEC[os.getpid()]
 
 
-def bind_to_parent() -> None:
-    """In a child started with :func:`child_env`: die (SIGKILL) when the parent dies, also
-    by ``kill -9`` (Linux's parent-death signal). Done by the child itself rather than in
-    a ``preexec_fn``, which is unsafe in a parent that runs threads. If the parent is
-    already gone, exit now."""
-    parent = os.environ.get(PARENT_ENV)
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != int(parent):
-        os._exit(1)
+def _make_preexec() -> Callable[[], None] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
 
 
 def port_free(host: str, port: int) -> bool:
@@ -84,12 +93,13 @@ class ChildGateway:
         args = [f"host={self.host}", f"port={self.port}", f"run_dir={self.run_dir}"]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "agl.gateway", *args, "log_level=warning"],
-            env=child_env(AGL_ADMIN_TOKEN=self.token),
+            env={**os.environ, "AGL_ADMIN_TOKEN": self.token},
             stdout=log_file,
             stderr=subprocess.STDOUT,
             # Its own process group: Ctrl-C reaches only the trainer, which stops the
             # children in order.
             process_group=0,
+            preexec_fn=die_with_parent(),
         )
         log_file.close()
         deadline = time.monotonic() + timeout_s

@@ -17,9 +17,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import httpx
 import openai
 
 from agl.agent import AgentContext
+from agl.backends.execution.worker import shared_http
+from agl.core.client import fast_http_client
 
 SYSTEM = "Answer with the result. A calculator tool is available."
 TOOLS = [
@@ -76,18 +79,19 @@ def final_number(text: str | None) -> float | None:
     return float(numbers[-1]) if numbers else None
 
 
-def _shared_http() -> Any:
-    try:
-        from agl.backends.execution.worker import shared_http
-    except ImportError:
-        return None
-    return shared_http()
-
-
 async def run(env: Mapping[str, str]) -> None:
     agent = AgentContext.from_env(env)
+    pool = shared_http()
+    if pool is not None:
+        await _attempt(agent, pool)
+        return
+    # Outside a worker (the command form): a pool for this attempt alone.
+    async with fast_http_client(8, 600.0) as own:
+        await _attempt(agent, own)
+
+
+async def _attempt(agent: AgentContext, http: httpx.AsyncClient) -> None:
     task = agent.input
-    http = _shared_http()
     client = openai.AsyncOpenAI(
         base_url=agent.base_url,
         api_key=agent.api_key,
@@ -123,8 +127,6 @@ async def run(env: Mapping[str, str]) -> None:
             )
     reward = 1.0 if answer is not None and abs(answer - task["answer"]) < 1e-6 else 0.0
     await agent.finish(reward=reward, http=http)
-    if http is None:
-        await client.close()
 
 
 def main() -> None:

@@ -10,22 +10,20 @@ the next prompt is a retokenization of that text: the natural drift agl studies.
 
 It runs as a worker entry point (``run(env)``, ``module:function``) or as a command
 (``python -m experiments.guess.harness`` with the attempt's environment). Throughput
-matters (tens of rollouts/s on 2 cores), so all attempts on one event loop share one
-``httpx.AsyncClient`` (a new one costs ~80 ms of CPU: it loads the CA store): the worker
-process's pool, else one of this module's per event loop.
+matters (tens of rollouts/s on 2 cores), so all attempts of a worker process share its
+HTTP pool (a new one costs ~80 ms of CPU: it loads the CA store); outside a worker an
+attempt makes its own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import random
 import re
 import sys
-import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,70 +204,28 @@ def openai_ask(client: openai.AsyncOpenAI, model: str, game: Game) -> Ask:
     return ask
 
 
-# --------------------------------------------------------------------- the shared pool
-
-# Outside a worker process (tests, the command form, a caller's own loop): one pool per
-# running event loop (a pool is bound to its loop), with the generator that closes it.
-_LOCAL_HTTP: weakref.WeakKeyDictionary[
-    asyncio.AbstractEventLoop, tuple[httpx.AsyncClient, AsyncGenerator[None, None]]
-] = weakref.WeakKeyDictionary()
-# Enough connections for every rollout one process runs at once, all kept alive.
-_CONNECTIONS = 512
-
-
-def shared_http() -> httpx.AsyncClient:
-    """One HTTP pool for every attempt on the running event loop: the worker process's
-    when running in one, else a pool of this module's for the loop (aiohttp's transport:
-    a fraction of httpx's CPU per request), closed when the loop shuts down."""
-    pool = worker_http()
-    if pool is not None:
-        return pool
-    loop = asyncio.get_running_loop()
-    entry = _LOCAL_HTTP.get(loop)
-    if entry is None or entry[0].is_closed:
-        pool = fast_http_client(_CONNECTIONS, CALL_TIMEOUT_S)
-        entry = _LOCAL_HTTP[loop] = (pool, _close_at_shutdown(pool))
-    return entry[0]
-
-
-def _close_at_shutdown(pool: httpx.AsyncClient) -> AsyncGenerator[None, None]:
-    """An async generator parked at its first ``yield``; the loop tracks it, so its
-    ``shutdown_asyncgens()`` (``asyncio.run`` calls it) runs the ``finally`` that closes
-    the pool. Unclosed, aiohttp's pool warns when it is garbage collected."""
-
-    async def park() -> AsyncGenerator[None, None]:
-        try:
-            yield
-        finally:
-            await pool.aclose()
-
-    generator = park()
-    # Step it to the yield right here: the loop's first-iteration hook registers it.
-    with contextlib.suppress(StopIteration):
-        generator.asend(None).send(None)
-    return generator
-
-
-async def close_local_http() -> None:
-    """Close this loop's own pool now, if it made one."""
-    entry = _LOCAL_HTTP.pop(asyncio.get_running_loop(), None)
-    if entry is not None:
-        await entry[1].aclose()
-
-
 # --------------------------------------------------------------------------- the agent
 
 
 async def run(env: Mapping[str, str]) -> None:
     """Play the rollout's game through the proxy and report the reward."""
     agent = AgentContext.from_env(env)
-    http = shared_http()
+    pool = worker_http()
+    if pool is not None:
+        await _attempt(agent, pool)
+        return
+    # Outside a worker (the command form, a test): a pool for this attempt alone.
+    async with fast_http_client(8, CALL_TIMEOUT_S) as own:
+        await _attempt(agent, own)
+
+
+async def _attempt(agent: AgentContext, http: httpx.AsyncClient) -> None:
     try:
         game = Game.from_input(agent.input)
     except GameInputError as error:
         await agent.finish(error=f"bad input: {error}", http=http)
         return
-    # Never closed: closing an OpenAI client closes the shared pool under it.
+    # Never closed: closing an OpenAI client closes the pool under it, which is not its own.
     client = openai.AsyncOpenAI(
         base_url=agent.base_url,
         api_key=agent.api_key,

@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ import orjson
 
 from agl.backends.execution.worker import READ_LIMIT, split_harness
 from agl.core.controller import Exit, Launch
+from agl.core.services import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -53,35 +52,6 @@ class LocalExecutorConfig:
     workers: int = 2
     concurrency: int = 64  # attempts per worker (python harness) or processes in total (command)
     extra_pythonpath: list[str] = field(default_factory=list)
-
-
-_PREEXEC: dict[int, Callable[[], None] | None] = {}
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that asks Linux to SIGKILL the child when its parent thread dies
-    (made once per process: it loads libc)."""
-    if os.getpid() not in _PREEXEC:
-        _PREEXEC[os.getpid()] = _make_preexec()
-    return _PREEXEC[os.getpid()]
-
-
-def _make_preexec() -> Callable[[], None] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)  # loaded here: no dlopen after fork
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
@@ -226,7 +196,7 @@ class _WorkerPool:
                 stderr=log_file,
                 env=self.env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(),
+                preexec_fn=die_with_parent(),
                 limit=READ_LIMIT,
             )
         worker.process = process
@@ -412,7 +382,7 @@ class _CommandRunner:
                 stderr=err,
                 env={**self.env, **launch.env},
                 start_new_session=True,
-                preexec_fn=_die_with_parent(),
+                preexec_fn=die_with_parent(),
             )
         self.processes[(launch.rollout_id, launch.attempt)] = process
         try:
