@@ -7,6 +7,7 @@ root) and small command scripts written under tmp_path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import signal
@@ -26,9 +27,9 @@ import pytest
 from agl.agent import AgentContext
 from agl.backends.execution.local import LocalExecutor, LocalExecutorConfig
 from agl.core.client import AsyncGatewayClient, GatewayClient
-from agl.core.controller import NO_STATUS, STOPPED, Controller, Exit, Launch
+from agl.core.controller import LOST, NO_STATUS, ORPHANED, STOPPED, Controller, Exit, Launch
 from agl.core.records import Rollout, Status
-from agl.testing.processes import GatewayProcess, free_port
+from agl.testing.processes import GatewayProcess, free_port, gateway_process
 
 REPO = Path(__file__).resolve().parents[1]
 HARNESSES = "tests.controller_harnesses"
@@ -193,6 +194,8 @@ def test_failures_retries_and_stats(gateway: GatewayProcess, tmp_path: Path) -> 
                 "agent_failed": 1 + 2,
                 "requeued": 1 + 1 + 1 + 1 + 1,
                 "given_up": 1 + 1 + 1 + 1,
+                "lost": 0,
+                "orphans_stopped": 0,
             }
             await wait_until(lambda: vars(controller.stats) == expected, 5)
 
@@ -423,11 +426,24 @@ class ScriptedExecutor:
     """An Executor with no slots whose exits the test hands in."""
 
     free_slots = 0
+    detached = False
 
-    def __init__(self, exits: list[Exit]) -> None:
+    def __init__(self, exits: list[Exit], executing: set[tuple[str, int]] = frozenset()) -> None:
         self.pending = exits
+        self.executing = set(executing)
+        self.forgotten: list[tuple[str, int]] = []
+        self.stopped: list[set[tuple[str, int]]] = []
 
     async def start(self) -> None: ...
+
+    def running(self) -> set[tuple[str, int]]:
+        return set(self.executing)
+
+    async def forget(self, rollout_id: str, attempt: int) -> None:
+        self.forgotten.append((rollout_id, attempt))
+
+    async def stop(self, keys: set[tuple[str, int]]) -> None:
+        self.stopped.append(set(keys))
 
     async def launch(self, launch: Launch) -> None:
         raise AssertionError("nothing to launch")
@@ -465,6 +481,66 @@ def test_gateway_errors_are_retried_on_the_next_pass(
     asyncio.run(main())
     rollout = admin.get_rollout(rid)
     assert (rollout.status, rollout.error) == (Status.FAILED, NO_STATUS)
+
+
+@pytest.mark.parametrize("kind", ["python", "command"])
+def test_local_stop_ends_an_attempt_with_orphaned(kind: str, tmp_path: Path) -> None:
+    harness = f"{HARNESSES}:hangs" if kind == "python" else "command:exec sleep 60"
+
+    async def main() -> None:
+        ex = executor(tmp_path, harness)
+        await ex.start()
+        try:
+            env = {"AGL_ROLLOUT_ID": "r", "AGL_ATTEMPT": "1"}
+            await ex.launch(Launch("r", 1, None, env))
+            await wait_until(lambda: ex.running() == {("r", 1)})
+            await asyncio.sleep(0.2)
+            await ex.stop({("r", 1)})
+            exits: list[Exit] = []
+
+            async def ended() -> bool:
+                exits.extend(await ex.exits())
+                return bool(exits)
+
+            await wait_until(ended, 10)
+            assert exits == [Exit("r", 1, ORPHANED)]
+            assert ex.running() == set()
+        finally:
+            await ex.close()
+
+    asyncio.run(main())
+
+
+def test_reconcile_fails_lost_attempts_and_stops_orphans(tmp_path: Path) -> None:
+    """A running attempt nothing executes is failed (LOST); an execution whose rollout
+    moved on is stopped once two passes in a row saw it so; what runs is left alone."""
+    with gateway_process(tmp_path / "gw") as gw, GatewayClient(gw.url, gw.token) as admin:
+        ids = ("lost", "mine", "done")
+        admin.create_rollouts([{"rollout_id": r, "group_id": "g", "max_attempts": 1} for r in ids])
+        for rid in ids:
+            admin.patch_rollout(rid, "running", attempt=1)
+        admin.patch_rollout("done", "succeeded", attempt=1)
+        ex = ScriptedExecutor([], executing={("mine", 1), ("done", 1)})
+
+        async def main() -> None:
+            async with httpx.AsyncClient() as http:
+                client = AsyncGatewayClient(gw.url, gw.token, http=http)
+                controller = Controller(
+                    client, ex, gateway_url=gw.url, model="m", poll_s=0.01, reconcile_s=0
+                )
+                task = asyncio.create_task(controller.run())
+                await wait_until(lambda: controller.stats.orphans_stopped == 1, 10)
+                assert (controller.stats.lost, controller.stats.given_up) == (1, 1)
+                assert admin.get_rollout("mine").status is Status.RUNNING
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+        asyncio.run(main())
+        lost = admin.get_rollout("lost")
+        assert (lost.status, lost.error) == (Status.FAILED, LOST)
+        assert ex.stopped == [{("done", 1)}]
+        assert ("lost", 1) in ex.forgotten
 
 
 # -- throughput (printed, not asserted) -------------------------------------------------

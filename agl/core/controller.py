@@ -16,8 +16,19 @@ Invariants:
 - a gateway error on one rollout is logged and retried on a later pass; it never ends
   the loop. Every PATCH names its attempt, so a retry is a no-op where it already took.
 
+With ``reconcile_s`` set, every so often a pass also compares the gateway's running
+rollouts with what executes:
+
+- a rollout running at an attempt that nothing executes (the controller restarted
+  between moving it to running and launching it; its Job deleted while no controller
+  watched) is failed with ``LOST`` and re-queued: never launched a second time;
+- an execution whose rollout is no longer running at that attempt (finished, re-queued,
+  unknown to the gateway) in two passes in a row is stopped: an orphan.
+
 The executor (local processes, Kubernetes Jobs) is behind the small ``Executor``
-protocol, so this loop knows nothing about how an attempt runs.
+protocol, so this loop knows nothing about how an attempt runs. An executor whose
+executions outlive the controller (``detached``: Jobs) keeps them running when the
+controller stops, and hands them to the next controller through ``running()``.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,6 +50,8 @@ log = logging.getLogger(__name__)
 
 NO_STATUS = "agent exited without reporting a status"
 STOPPED = "controller stopped"
+ORPHANED = "stopped by the controller: its rollout is no longer running at this attempt"
+LOST = "no execution found for this running attempt (lost while no controller watched it)"
 RELEASE_TIMEOUT_S = 5.0  # how long stopping may spend failing the attempts it ran
 
 
@@ -61,7 +75,12 @@ class Exit:
     error: str | None
 
 
+Key = tuple[str, int]  # (rollout_id, attempt)
+
+
 class Executor(Protocol):
+    detached: bool  # executions outlive the controller; close() leaves them running
+
     @property
     def free_slots(self) -> int:
         """How many more attempts it can run now."""
@@ -73,6 +92,18 @@ class Executor(Protocol):
 
     async def exits(self) -> list[Exit]:
         """Attempts finished since the last call; must not block long."""
+        ...
+
+    def running(self) -> set[Key]:
+        """Attempts executing now, those found at ``start()`` included."""
+        ...
+
+    async def forget(self, rollout_id: str, attempt: int) -> None:
+        """The attempt's exit is recorded at the gateway: drop what is left of it."""
+        ...
+
+    async def stop(self, keys: set[Key]) -> None:
+        """End these executions; each yields its ``Exit``."""
         ...
 
     async def close(self) -> None:
@@ -88,6 +119,8 @@ class ControllerStats:
     agent_failed: int = 0  # attempts that ended failed otherwise (error, timeout, agent's word)
     requeued: int = 0  # failed attempts sent back to queuing
     given_up: int = 0  # failed attempts with no attempt left
+    lost: int = 0  # running attempts that nothing executed
+    orphans_stopped: int = 0  # executions of rollouts no longer running at that attempt
 
 
 class Controller:
@@ -101,6 +134,7 @@ class Controller:
         poll_s: float = 0.05,
         batch: int = 256,
         max_calls: int = 4,
+        reconcile_s: float | None = None,
     ) -> None:
         """``client`` must hold the admin token: only it sees attempt keys.
 
@@ -120,6 +154,9 @@ class Controller:
         self._unsure: set[tuple[str, int]] = set()  # PATCH running failed in transit
         self._busy = False  # the last pass settled or started something: more may follow
         self._calls = asyncio.Semaphore(max_calls)
+        self.reconcile_s = reconcile_s
+        self._next_reconcile = 0.0  # monotonic time; the first pass reconciles
+        self._orphans: set[Key] = set()  # seen orphaned by the last reconcile
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -127,6 +164,7 @@ class Controller:
         """Start the executor and reconcile every ``poll_s`` until cancelled; on the way
         out, kill what runs and fail (re-queue) those attempts."""
         await self.executor.start()
+        self._running.update(self.executor.running())
         try:
             while True:
                 try:
@@ -140,10 +178,11 @@ class Controller:
             await self.close()
 
     async def close(self) -> None:
-        """Kill every execution, then fail (and re-queue) the attempts they held, best
-        effort within ``RELEASE_TIMEOUT_S``. Idempotent."""
+        """Stop the executor; fail (and re-queue) the attempts it ran unless they outlive
+        it (``detached``), best effort within ``RELEASE_TIMEOUT_S``. Idempotent."""
         await self.executor.close()
-        exits = [*self._unsettled, *(Exit(rid, a, STOPPED) for rid, a in self._running)]
+        stopped = [] if self.executor.detached else self._running
+        exits = [*self._unsettled, *(Exit(rid, a, STOPPED) for rid, a in stopped)]
         self._unsettled = []
         if exits:
             with contextlib.suppress(TimeoutError):
@@ -156,6 +195,9 @@ class Controller:
         self._busy = bool(exits)
         if exits:
             await self._settle_all(exits)
+        if self.reconcile_s is not None and time.monotonic() >= self._next_reconcile:
+            self._next_reconcile = time.monotonic() + self.reconcile_s
+            await self._reconcile()
         if self._unsure:
             unsure, self._unsure = self._unsure, set()
             await asyncio.gather(*(self._start(rid, attempt) for rid, attempt in unsure))
@@ -202,6 +244,7 @@ class Controller:
             if error.status == 404:
                 log.warning("rollout %s is gone; dropping its exit", exit.rollout_id)
                 self._outcome.pop(key, None)
+                await self.executor.forget(exit.rollout_id, exit.attempt)
                 return True
             log.warning("settling %s attempt %d: %s", exit.rollout_id, exit.attempt, error)
             return False
@@ -211,6 +254,7 @@ class Controller:
         outcome = self._outcome.pop(key, None)
         if outcome is not None:
             setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+        await self.executor.forget(exit.rollout_id, exit.attempt)
         return True
 
     async def _settle_rollout(self, exit: Exit, rollout: Rollout) -> None:
@@ -235,6 +279,30 @@ class Controller:
                 self.stats.requeued += 1
             else:
                 self.stats.given_up += 1
+
+    # -- reconciling with the gateway --------------------------------------------------
+
+    async def _reconcile(self) -> None:
+        try:
+            rollouts = await self.client.list_rollouts(Status.RUNNING)
+        except (GatewayError, httpx.HTTPError) as error:
+            log.warning("listing running rollouts: %r", error)
+            return
+        running = {(r.rollout_id, r.attempt) for r in rollouts}
+        executing = self.executor.running()
+        known = self._running | executing | self._unsure
+        known |= {(e.rollout_id, e.attempt) for e in self._unsettled}
+        lost = running - known
+        if lost:
+            log.warning("%d running attempts have no execution; failing them", len(lost))
+            self.stats.lost += len(lost)
+            await self._settle_all([Exit(rid, attempt, LOST) for rid, attempt in lost])
+        orphans = executing - running
+        stop, self._orphans = orphans & self._orphans, orphans - self._orphans
+        if stop:
+            log.info("stopping %d executions whose rollouts moved on", len(stop))
+            self.stats.orphans_stopped += len(stop)
+            await self.executor.stop(stop)
 
     # -- starting queued rollouts -----------------------------------------------------
 

@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 
 from agl.backends.execution.worker import READ_LIMIT, split_harness
-from agl.core.controller import Exit, Launch
+from agl.core.controller import ORPHANED, Exit, Key, Launch
 from agl.core.services import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,8 @@ class LocalExecutor:
     comes first); a (rollout, attempt) already running is not launched again;
     ``free_slots`` is 0 before ``start()`` and after ``close()``."""
 
+    detached = False  # nothing it starts outlives it
+
     def __init__(self, config: LocalExecutorConfig) -> None:
         self.config = config
         self._backend: _WorkerPool | _CommandRunner | None = None
@@ -128,6 +130,16 @@ class LocalExecutor:
 
     async def exits(self) -> list[Exit]:
         return [] if self._backend is None else self._backend.take_exits()
+
+    def running(self) -> set[Key]:
+        return set() if self._backend is None else self._backend.running_keys()
+
+    async def forget(self, rollout_id: str, attempt: int) -> None:
+        """Nothing of an attempt outlives its exit here."""
+
+    async def stop(self, keys: set[Key]) -> None:
+        if self._backend is not None:
+            await self._backend.stop(keys)
 
     async def close(self) -> None:
         if self._backend is not None:
@@ -305,6 +317,21 @@ class _WorkerPool:
         exits, self.exits = self.exits, []
         return exits
 
+    def running_keys(self) -> set[Key]:
+        return set().union(*(w.running for w in self.workers))
+
+    async def stop(self, keys: set[Key]) -> None:
+        """Ask each attempt's worker to cancel it; it replies with ``ORPHANED``."""
+        for worker in self.workers:
+            process = worker.process
+            if process is None or process.stdin is None:
+                continue
+            for rollout_id, attempt in keys & worker.running:
+                message = {"stop": True, "rollout_id": rollout_id, "attempt": attempt}
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    process.stdin.write(orjson.dumps(message) + b"\n")
+                    await process.stdin.drain()
+
     async def close(self) -> None:
         self.closing = True
         for task in self.supervisors:
@@ -348,6 +375,7 @@ class _CommandRunner:
         self.exits: list[Exit] = []
         self.running: dict[tuple[str, int], asyncio.Task[None]] = {}
         self.processes: dict[tuple[str, int], asyncio.subprocess.Process] = {}
+        self.stopping: set[Key] = set()
         self.closing = False
 
     @property
@@ -371,6 +399,9 @@ class _CommandRunner:
         finally:
             self.running.pop(key, None)
             self.processes.pop(key, None)
+        if key in self.stopping:
+            self.stopping.discard(key)
+            error = ORPHANED
         self.exits.append(Exit(*key, error))
 
     async def _execute(self, launch: Launch, stem: Path) -> str | None:
@@ -399,6 +430,14 @@ class _CommandRunner:
     def take_exits(self) -> list[Exit]:
         exits, self.exits = self.exits, []
         return exits
+
+    def running_keys(self) -> set[Key]:
+        return set(self.running)
+
+    async def stop(self, keys: set[Key]) -> None:
+        processes = [(k, p) for k, p in self.processes.items() if k in keys]
+        self.stopping.update(k for k, _ in processes)
+        await asyncio.gather(*(_terminate(p) for _, p in processes))
 
     async def close(self) -> None:
         self.closing = True

@@ -15,6 +15,8 @@ in the log and can never corrupt the protocol:
 - parent → worker, per attempt: ``{"rollout_id", "attempt", "timeout_s", "env"}``;
 - worker → parent, per attempt: ``{"rollout_id", "attempt", "error"}``, ``error`` None when
   the harness returned, else one line: ``"timed out after N s"`` or ``"Type: message"``;
+- parent → worker: ``{"stop": true, "rollout_id", "attempt"}`` cancels that attempt; its
+  reply's ``error`` says it was stopped (``ORPHANED``);
 - EOF on the parent's pipe: the worker cancels what runs and exits 0.
 
 Harnesses share the worker's HTTP pool: :func:`shared_http` answers it (None outside a
@@ -46,6 +48,7 @@ import httpx
 import orjson
 
 from agl.core.client import fast_http_client
+from agl.core.controller import ORPHANED
 
 log = logging.getLogger(__name__)
 
@@ -137,14 +140,22 @@ class _Worker:
     def __init__(self, harness: Harness, out: asyncio.WriteTransport) -> None:
         self.harness = harness
         self.out = out
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self.stopped: set[tuple[str, int]] = set()
 
     def send(self, message: dict[str, Any]) -> None:
         # A transport write never blocks; the parent always reads, so the buffer stays small.
         self.out.write(orjson.dumps(message) + b"\n")
 
     async def attempt(self, message: dict[str, Any]) -> None:
-        error = await run_attempt(self.harness, message["env"], message.get("timeout_s"))
+        key = (message["rollout_id"], message["attempt"])
+        try:
+            error = await run_attempt(self.harness, message["env"], message.get("timeout_s"))
+        except asyncio.CancelledError:
+            if key not in self.stopped:
+                raise
+            self.stopped.discard(key)
+            error = ORPHANED
         self.send(
             {"rollout_id": message["rollout_id"], "attempt": message["attempt"], "error": error}
         )
@@ -156,13 +167,19 @@ class _Worker:
             except orjson.JSONDecodeError:
                 log.error("ignoring a malformed launch line: %.200r", line)
                 continue
+            key = (message.get("rollout_id"), message.get("attempt"))
+            if message.get("stop"):
+                if (task := self.tasks.get(key)) is not None:
+                    self.stopped.add(key)
+                    task.cancel()
+                continue
             task = asyncio.create_task(self.attempt(message))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            self.tasks[key] = task
+            task.add_done_callback(lambda _, key=key: self.tasks.pop(key, None))
         # EOF: the parent is gone or closing; nothing we run can be reported any more.
-        for task in list(self.tasks):
+        for task in list(self.tasks.values()):
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
 
 async def _main(spec: str, concurrency: int, fd_in: int, fd_out: int) -> int:
