@@ -15,11 +15,18 @@ called with the mapping), so one harness runs either way::
 ``finish`` posts the reward event and sets the attempt's status; both are idempotent, so
 a retried report changes nothing. An attempt that ends without ``finish`` is failed by
 the controller ("agent exited without reporting a status").
+
+``python -m agl.agent MODULE:FUNCTION`` runs one attempt of a Python harness from this
+process's environment: what an agent container (a Kubernetes Job) runs. It exits 0 when
+the harness returned, 1 with one line on stderr when it raised, 2 on bad usage.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import sys
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -125,3 +132,26 @@ class AgentContext:
 
 def _event_id(rollout_id: str, attempt: int, name: str) -> str:
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"agl:{rollout_id}:{attempt}:{name}"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Imported here: the worker module imports the controller, which imports this one.
+    from agl.backends.execution.worker import load_harness, run_attempt
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        sys.stderr.write("usage: python -m agl.agent MODULE:FUNCTION\n")
+        raise SystemExit(2)
+    try:
+        harness = load_harness(args[0])
+    except ValueError as error:
+        sys.stderr.write(f"agl.agent: {error}\n")
+        raise SystemExit(2) from None
+    error = asyncio.run(run_attempt(harness, dict(os.environ), timeout_s=None))
+    if error is not None:
+        sys.stderr.write(f"agl.agent: {error}\n")
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,8 +3,9 @@ a Hydra sweep, each run in its own folder).
 
 A run starts its parts, trains, and stops them all, also on Ctrl-C or a crash:
 the gateway (a child process, store in ``<run>/gateway/``), the embedded inference
-server (a thread sharing the model with the trainer), the local rollout controller and
-its agent workers (child processes). Metrics go to ``<run>/metrics.jsonl`` and W&B.
+server (a thread sharing the model with the trainer), the rollout controller and its
+agents (``controller=local``: worker processes; ``controller=k8s``: Kubernetes Jobs,
+deleted when the run ends). Metrics go to ``<run>/metrics.jsonl`` and W&B.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agl.core.controller import Executor
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -86,7 +90,6 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
     import torch
     from omegaconf import OmegaConf
 
-    from agl.backends.execution.local import LocalExecutor, LocalExecutorConfig
     from agl.backends.inference.embedded import EmbeddedServer
     from agl.backends.inference.models import ModelUnavailable, default_cache_dir, load_model
     from agl.backends.training.embedded import EmbeddedPolicy
@@ -181,21 +184,15 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
                 [ModelEndpoint(model=loaded.name, endpoint=server.url, policy_version=version)]
             )
 
-        executor = LocalExecutor(
-            LocalExecutorConfig(
-                harness=cfg.task.harness,
-                run_dir=run_dir,
-                workers=cfg.controller.workers,
-                concurrency=cfg.controller.concurrency,
-                extra_pythonpath=[str(ROOT)],
-            )
-        )
+        agent_gateway_url = cfg.controller.get("agent_gateway_url") or gateway.url
+        executor = _executor(options["controller"], cfg.task.harness, run_dir, agent_gateway_url)
         controller = Controller(
             client,
             executor,
-            gateway_url=gateway.url,
+            gateway_url=agent_gateway_url,
             model=loaded.name,
             poll_s=cfg.controller.poll_s,
+            reconcile_s=cfg.controller.get("reconcile_s"),
         )
         try:
             await executor.start()
@@ -260,6 +257,36 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
                 summary(tracker.history, str(run_dir), time.monotonic() - started) + "\n"
             )
         return tracker.history
+
+
+def _executor(
+    options: dict[str, Any], harness: str, run_dir: Path, agent_gateway_url: str
+) -> Executor:
+    """The executor ``controller=...`` names; UserError (one line) if it cannot be had."""
+    settings = {
+        k: v
+        for k, v in _options(options).items()
+        if k not in ("poll_s", "reconcile_s", "agent_gateway_url")
+    }
+    try:
+        if options["name"] == "k8s":
+            try:
+                from agl.backends.execution.k8s import K8sExecutor, K8sExecutorConfig
+            except ImportError as error:
+                raise UserError(
+                    f"controller=k8s needs: pip install 'agl[k8s]' (no module {error.name!r})"
+                ) from None
+            config = K8sExecutorConfig(agent_gateway_url=agent_gateway_url, **settings)
+            return K8sExecutor(config, base_dir=ROOT)
+        from agl.backends.execution.local import LocalExecutor, LocalExecutorConfig
+
+        return LocalExecutor(
+            LocalExecutorConfig(
+                harness=harness, run_dir=run_dir, extra_pythonpath=[str(ROOT)], **settings
+            )
+        )
+    except (TypeError, ValueError) as error:
+        raise UserError(f"controller={options['name']}: {error}") from None
 
 
 async def _until_first_done(main: Any, companion: asyncio.Task[Any]) -> Any:

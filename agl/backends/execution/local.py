@@ -110,7 +110,10 @@ class LocalExecutor:
         return 0 if self._backend is None else self._backend.free_slots
 
     async def start(self) -> None:
-        """Check the harness and start what runs it; ValueError (one line) if it is bad."""
+        """Check the harness and start what runs it; ValueError (one line) if it is bad.
+        Idempotent."""
+        if self._backend is not None:
+            return
         harness = self.config.harness
         if harness.startswith("command:"):
             command = harness.removeprefix("command:").strip()

@@ -1,0 +1,830 @@
+"""``K8sExecutor``: one Kubernetes Job per rollout attempt (DESIGN.md, "Rollout controller").
+
+For each attempt the executor creates, in its namespace:
+
+- a Secret holding the attempt's key (``api-key``), named like the Job; the agent's
+  container reads ``OPENAI_API_KEY`` from it (``secretKeyRef``), so the key is never in
+  the Job's spec, which anyone who may list Jobs can read;
+- a Job rendered from the user's template (Jinja2 over YAML: a plain YAML Job renders to
+  itself), with what the controller owns set over it: a deterministic name per attempt,
+  labels and annotations, ``backoffLimit: 0``, ``restartPolicy: Never``,
+  ``activeDeadlineSeconds`` from the rollout's timeout, ``ttlSecondsAfterFinished`` and
+  the agent's environment.
+
+It learns what the Jobs do from a label-selected watch, re-opened from the last
+resourceVersion it saw (after ``watch_timeout_s``, or a dropped connection, with
+backoff while the API server is away); a 410 Gone (that version was compacted away)
+makes it list every Job again, and so does ``relist_s``, to recover whatever a watch may
+have missed. Jobs it did not create but carry its labels (a previous controller's) are
+adopted.
+
+Invariants:
+- an attempt has at most one Job: its name is a function of (instance, rollout, attempt),
+  so a retried or repeated create gets 409 and launches nothing;
+- every Job tracked yields exactly one ``Exit`` per executor: Complete (None), Failed
+  (its reason and message), or deleted before it finished;
+- a Job and its Secret are deleted only after ``forget()``, i.e. once the controller has
+  recorded the exit at the gateway; until then a restarted controller finds the Job and
+  settles it again (a no-op where it took);
+- the API server's answers are handled where they are known: 409 on create is success,
+  404 on delete is success, 4xx on create fails the attempt with the server's message,
+  5xx / 429 / a dropped connection is retried with backoff for up to ``create_retry_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import functools
+import hashlib
+import ipaddress
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import orjson
+import urllib3
+import yaml
+from jinja2 import Environment, StrictUndefined, TemplateError
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.watch.watch import iter_resp_lines
+
+from agl.core.controller import ORPHANED, Exit, Key, Launch
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MANAGED_BY = "app.kubernetes.io/managed-by"
+INSTANCE = "agl.dev/instance"
+ROLLOUT = "agl.dev/rollout"
+ATTEMPT = "agl.dev/attempt"
+ROLE = "agl.dev/role"
+ROLLOUT_ID = "agl.dev/rollout-id"  # annotation: the exact id (a label value is limited)
+KEY_ENV = "OPENAI_API_KEY"
+SECRET_KEY = "api-key"
+DELETED = "Job deleted before it finished"
+NAME_MAX = 63  # a Job's name becomes a label value of its pods
+RETRYABLE = frozenset({429, 500, 502, 503, 504})
+
+
+@dataclass
+class EgressConfig:
+    """The NetworkPolicy that confines agents' egress to the gateway, DNS and ``allow``."""
+
+    enabled: bool = True
+    gateway_pod_labels: dict[str, str] = field(
+        default_factory=lambda: {"app.kubernetes.io/name": "agl-gateway"}
+    )
+    gateway_port: int | None = None  # None: the port of the agent-facing gateway URL
+    dns: bool = True
+    allow: list[str] = field(default_factory=list)  # CIDRs agents may also reach
+
+
+@dataclass
+class K8sExecutorConfig:
+    template: Any  # a path to a YAML/Jinja2 file, an inline YAML string, or a mapping
+    namespace: str = "default"
+    kubeconfig: str | None = None  # None: in-cluster config, else ~/.kube/config
+    instance: str = "agl"  # tells apart several agl runs in one namespace
+    agent_gateway_url: str = ""  # as agents reach the gateway (for the NetworkPolicy)
+    max_jobs: int = 100  # attempts with a Job at once
+    create_qps: float = 20.0  # Job creations per second, on average
+    create_burst: int = 20
+    create_retry_s: float = 60.0  # how long a create is retried through API errors
+    watch: bool = True  # False: learn only from relists (for comparison)
+    relist_s: float = 30.0
+    watch_timeout_s: float = 300.0  # a watch is re-opened from its last version this often
+    active_deadline_s: int = 3600  # for rollouts without a timeout
+    ttl_after_finished_s: int = 600  # the cluster's own clean-up, should we be gone
+    delete_on_close: bool = False  # True: close() deletes the Jobs (the run is over)
+    api_threads: int = 8
+    egress: EgressConfig = field(default_factory=EgressConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.egress, Mapping):
+            self.egress = EgressConfig(**self.egress)
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,18}[a-z0-9])?", self.instance):
+            raise ValueError(f"instance {self.instance!r}: 1-20 lowercase letters, digits or '-'")
+        if self.max_jobs < 1 or self.create_qps <= 0 or self.create_burst < 1:
+            raise ValueError("max_jobs, create_qps and create_burst must be positive")
+
+
+# -- names and labels ---------------------------------------------------------------------
+
+
+def _slug(text: str, limit: int) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:limit].strip("-")
+
+
+def job_name(instance: str, rollout_id: str, attempt: int) -> str:
+    """A DNS-1123 label, unique per (instance, rollout, attempt), readable where it can."""
+    digest = hashlib.sha256(f"{instance}/{rollout_id}".encode()).hexdigest()[:10]
+    tail = f"-{digest}-{attempt}"
+    head = _slug(f"{instance}-{rollout_id}", NAME_MAX - len(tail))
+    return f"{head}{tail}"
+
+
+def rollout_label(rollout_id: str) -> str:
+    """The rollout id where it is a valid label value, else a slug plus a digest."""
+    if re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?", rollout_id):
+        return rollout_id
+    digest = hashlib.sha256(rollout_id.encode()).hexdigest()[:10]
+    return f"{_slug(rollout_id, 50) or 'r'}-{digest}"
+
+
+# -- the Job template -----------------------------------------------------------------------
+
+
+def load_template(template: Any, base_dir: Path | None = None) -> str:
+    """The template's text: a mapping is dumped as YAML, a one-line string is a path."""
+    if isinstance(template, Mapping):
+        return yaml.safe_dump(dict(template), sort_keys=False)
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError("controller template: give a path, inline YAML or a mapping")
+    if "\n" in template:
+        return template
+    path = Path(template).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise ValueError(f"controller template {template!r}: {error.strerror}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(text: str) -> Any:
+    return Environment(undefined=StrictUndefined, keep_trailing_newline=True).from_string(text)
+
+
+def render_job(text: str, variables: Mapping[str, Any]) -> dict[str, Any]:
+    """The template rendered and parsed; ValueError (one line) if it is not a Job."""
+    try:
+        rendered = _compile(text).render(**variables)
+        job = yaml.safe_load(rendered)
+    except (TemplateError, yaml.YAMLError) as error:
+        raise ValueError(f"Job template: {str(error).splitlines()[0]}") from None
+    if not isinstance(job, dict):
+        raise ValueError("Job template: it does not render to a mapping")
+    kind = job.setdefault("kind", "Job")
+    job.setdefault("apiVersion", "batch/v1")
+    if kind != "Job":
+        raise ValueError(f"Job template: kind is {kind!r}, not 'Job'")
+    containers = (
+        job.get("spec", {}).get("template", {}).get("spec", {}).get("containers")
+        if isinstance(job.get("spec"), dict)
+        else None
+    )
+    if not isinstance(containers, list) or not containers:
+        raise ValueError("Job template: spec.template.spec.containers is empty")
+    return job
+
+
+def _mapping(parent: dict[str, Any], key: str) -> dict[str, Any]:
+    value = parent.get(key)
+    if not isinstance(value, dict):
+        value = parent[key] = {}
+    return value
+
+
+def own_job(
+    job: dict[str, Any],
+    *,
+    name: str,
+    namespace: str,
+    labels: Mapping[str, str],
+    annotations: Mapping[str, str],
+    env: Mapping[str, str],
+    active_deadline_s: int,
+    ttl_after_finished_s: int,
+) -> dict[str, Any]:
+    """``job`` with what the controller owns set over the template's values."""
+    meta = _mapping(job, "metadata")
+    meta.pop("generateName", None)
+    meta["name"], meta["namespace"] = name, namespace
+    _mapping(meta, "labels").update(labels)
+    _mapping(meta, "annotations").update(annotations)
+    spec = _mapping(job, "spec")
+    spec.update(
+        backoffLimit=0,
+        completions=1,
+        parallelism=1,
+        activeDeadlineSeconds=active_deadline_s,
+        ttlSecondsAfterFinished=ttl_after_finished_s,
+    )
+    pod = _mapping(spec, "template")
+    pod_meta = _mapping(pod, "metadata")
+    _mapping(pod_meta, "labels").update(labels, **{ROLE: "agent"})
+    _mapping(pod_meta, "annotations").update(annotations)
+    pod_spec = _mapping(pod, "spec")
+    pod_spec["restartPolicy"] = "Never"
+    pod_spec.setdefault("automountServiceAccountToken", False)
+    ours = [{"name": k, "value": v} for k, v in env.items() if k != KEY_ENV]
+    ours.append({"name": KEY_ENV, "valueFrom": {"secretKeyRef": {"name": name, "key": SECRET_KEY}}})
+    names = {e["name"] for e in ours}
+    for container in pod_spec["containers"]:
+        if not isinstance(container, dict):
+            continue
+        kept = [e for e in container.get("env") or [] if e.get("name") not in names]
+        container["env"] = kept + ours
+    return job
+
+
+# -- the NetworkPolicy ----------------------------------------------------------------------
+
+
+def egress_policy(
+    name: str, namespace: str, pod_labels: Mapping[str, str], egress: EgressConfig, gateway_url: str
+) -> dict[str, Any]:
+    """Agents may reach the gateway, DNS and ``egress.allow``, nothing else."""
+    url = urlsplit(gateway_url) if gateway_url else None
+    port = egress.gateway_port or (url.port if url and url.port else None)
+    if port is None and url is not None:
+        port = 443 if url.scheme == "https" else 80
+    ports = [{"protocol": "TCP", "port": port}] if port else []
+    to_gateway: list[dict[str, Any]] = []
+    host = url.hostname if url else None
+    with contextlib.suppress(ValueError, TypeError):
+        address = ipaddress.ip_address(host or "")
+        to_gateway.append({"ipBlock": {"cidr": f"{address}/{address.max_prefixlen}"}})
+    if egress.gateway_pod_labels:
+        to_gateway.append({"podSelector": {"matchLabels": dict(egress.gateway_pod_labels)}})
+    rules: list[dict[str, Any]] = []
+    if to_gateway:
+        rules.append({"to": to_gateway, **({"ports": ports} if ports else {})})
+    if egress.dns:
+        rules.append(
+            {
+                "to": [
+                    {
+                        "namespaceSelector": {},
+                        "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+                    }
+                ],
+                "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+            }
+        )
+    for cidr in egress.allow:
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            raise ValueError(f"egress.allow: {cidr!r} is not a CIDR") from None
+        rules.append({"to": [{"ipBlock": {"cidr": cidr}}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "namespace": namespace, "labels": {MANAGED_BY: "agl"}},
+        "spec": {
+            "podSelector": {"matchLabels": dict(pod_labels)},
+            "policyTypes": ["Egress"],
+            "egress": rules,
+        },
+    }
+
+
+# -- reading Jobs ---------------------------------------------------------------------------
+
+
+def job_outcome(job: Mapping[str, Any]) -> tuple[bool, str | None]:
+    """(finished, error): Complete → (True, None); Failed → (True, "Job failed (...)")."""
+    for condition in (job.get("status") or {}).get("conditions") or []:
+        if condition.get("status") != "True":
+            continue
+        if condition.get("type") == "Complete":
+            return True, None
+        if condition.get("type") == "Failed":
+            reason = condition.get("reason") or "Failed"
+            message = condition.get("message") or ""
+            return True, f"Job failed ({reason}): {message}".rstrip(": ")[:500]
+    return False, None
+
+
+def job_attempt(job: Mapping[str, Any]) -> tuple[str, int] | None:
+    meta = job.get("metadata") or {}
+    notes = meta.get("annotations") or {}
+    try:
+        return str(notes[ROLLOUT_ID]), int(notes[ATTEMPT])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def api_message(error: ApiException) -> str:
+    """The API server's own message (its Status body), on one line."""
+    with contextlib.suppress(orjson.JSONDecodeError, TypeError, AttributeError):
+        body = orjson.loads(error.body or b"")
+        if isinstance(body, dict) and body.get("message"):
+            return " ".join(str(body["message"]).split())[:500]
+    return f"{error.status} {error.reason}"
+
+
+class TokenBucket:
+    """``rate`` acquisitions per second on average, ``burst`` at once."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic):
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens, self.stamp = float(burst), clock()
+        self.lock = asyncio.Lock()
+
+    async def take(self) -> None:
+        async with self.lock:
+            now = self.clock()
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+            if self.tokens < 1:
+                await asyncio.sleep((1 - self.tokens) / self.rate)
+                self.stamp = self.clock()
+                self.tokens = 1.0
+            self.tokens -= 1
+
+
+# -- the executor ---------------------------------------------------------------------------
+
+CREATING, ACTIVE, ENDED, FORGOTTEN = "creating", "active", "ended", "forgotten"
+
+
+@dataclass
+class _Tracked:
+    key: tuple[str, int]
+    state: str
+    seq: int  # when it was last known to exist (the relist that may miss it must be later)
+    stop_reason: str | None = None
+
+
+@dataclass
+class K8sStats:
+    jobs_created: int = 0
+    jobs_adopted: int = 0
+    jobs_deleted: int = 0
+    relists: int = 0
+    watch_expired: int = 0  # 410 Gone: the watch's version was compacted away
+    watch_restarts: int = 0
+    api_errors: int = 0
+    requests: int = 0  # API requests made, watches and lists included
+
+
+class K8sExecutor:
+    """Implements ``agl.core.controller.Executor`` with Kubernetes Jobs (``detached``:
+    the Jobs outlive this process; the next controller adopts them)."""
+
+    def __init__(self, config: K8sExecutorConfig, *, base_dir: Path | None = None) -> None:
+        self.config = config
+        self.detached = not config.delete_on_close
+        self.template = load_template(config.template, base_dir)
+        self.stats = K8sStats()
+        self.labels = {MANAGED_BY: "agl", INSTANCE: config.instance}
+        self.selector = ",".join(f"{k}={v}" for k, v in self.labels.items())
+        self._jobs: dict[str, _Tracked] = {}
+        self._exits: list[Exit] = []
+        self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._seq = 0
+        self._stopping = threading.Event()
+        self._relist_due = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._pool = ThreadPoolExecutor(config.api_threads, thread_name_prefix="k8s-api")
+        self._bucket = TokenBucket(config.create_qps, config.create_burst)
+        self._started = False
+        self._api: k8s.ApiClient | None = None
+        self._version: str | None = None  # of the first list, where the watch starts
+
+    # -- the Executor protocol -------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        if not self._started or self._stopping.is_set():
+            return 0
+        with self._lock:
+            busy = sum(t.state in (CREATING, ACTIVE) for t in self._jobs.values())
+        return max(0, self.config.max_jobs - busy)
+
+    def running(self) -> set[Key]:
+        with self._lock:
+            return {t.key for t in self._jobs.values() if t.state in (CREATING, ACTIVE)}
+
+    async def start(self) -> None:
+        """Connect, ensure the NetworkPolicy, adopt the Jobs there are, start watching.
+        ValueError (one line) when the cluster cannot be used. Idempotent."""
+        if self._api is not None:
+            return
+        self._api = await self._call(self._connect)
+        self.batch = k8s.BatchV1Api(self._api)
+        self.core = k8s.CoreV1Api(self._api)
+        self.networking = k8s.NetworkingV1Api(self._api)
+        try:
+            if self.config.egress.enabled:
+                await self._call(self._ensure_policy)
+            self._version = await self._call(self._relist)
+        except ApiException as error:
+            raise ValueError(f"Kubernetes API: {api_message(error)}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            raise ValueError(f"Kubernetes API unreachable: {error}") from None
+        self._watcher = threading.Thread(target=self._watch_loop, name="k8s-watch", daemon=True)
+        self._watcher.start()
+        self._started = True
+
+    async def launch(self, launch: Launch) -> None:
+        name = job_name(self.config.instance, launch.rollout_id, launch.attempt)
+        with self._lock:
+            if name in self._jobs:
+                return  # launching is idempotent per attempt
+            self._jobs[name] = _Tracked((launch.rollout_id, launch.attempt), CREATING, -1)
+        try:
+            await self._bucket.take()
+            job = self._job(name, launch)
+            await self._call(self._create_secret, name, launch.env.get(KEY_ENV, ""))
+            try:
+                await self._call(self._create_job, job)
+            except ValueError:  # refused: its Secret must not linger
+                await self._call(self._delete, name, job=False)
+                raise
+        except BaseException:
+            with self._lock:  # a Job that was created after all is adopted by a relist
+                self._jobs.pop(name, None)
+            raise
+        with self._lock:
+            tracked = self._jobs.get(name)
+            if tracked is not None and tracked.state == CREATING:
+                tracked.state, tracked.seq = ACTIVE, self._next_seq()
+
+    async def exits(self) -> list[Exit]:
+        with self._lock:
+            exits, self._exits = self._exits, []
+        return exits
+
+    async def forget(self, rollout_id: str, attempt: int) -> None:
+        """The exit is recorded at the gateway: delete the Job and its Secret."""
+        name = job_name(self.config.instance, rollout_id, attempt)
+        with self._lock:
+            tracked = self._jobs.get(name)
+            if tracked is None or tracked.state != ENDED:
+                return
+            tracked.state = FORGOTTEN
+        await self._call(self._delete, name)
+
+    async def stop(self, keys: set[Key]) -> None:
+        """Delete these attempts' Jobs; each ends with an ``Exit`` saying so."""
+        names = []
+        with self._lock:
+            for rollout_id, attempt in keys:
+                name = job_name(self.config.instance, rollout_id, attempt)
+                tracked = self._jobs.get(name)
+                if tracked is not None and tracked.state == ACTIVE:
+                    tracked.stop_reason = ORPHANED
+                    names.append(name)
+        await asyncio.gather(*(self._call(self._delete, n) for n in names))
+
+    async def close(self) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._relist_due.set()
+        if self.config.delete_on_close and self._api is not None:
+            with self._lock:
+                names = list(self._jobs)
+            await asyncio.gather(*(self._call(self._delete, n) for n in names))
+        if self._watcher is not None:
+            await asyncio.to_thread(self._watcher.join, 2.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._api is not None:
+            self._api.close()
+
+    def request_relist(self) -> None:
+        """Relist at the next chance (tests; a controller that suspects a miss)."""
+        self._relist_due.set()
+
+    # -- building the Job ----------------------------------------------------------------------
+
+    def _job(self, name: str, launch: Launch) -> dict[str, Any]:
+        env = launch.env
+        input_value = orjson.loads(env["AGL_INPUT"]) if env.get("AGL_INPUT") else None
+        variables = {
+            "name": name,
+            "namespace": self.config.namespace,
+            "rollout_id": launch.rollout_id,
+            "attempt": launch.attempt,
+            "mode": env.get("AGL_MODE", "train"),
+            "model": env.get("AGL_MODEL", ""),
+            "input": input_value,
+            "input_json": env.get("AGL_INPUT", "null"),
+        }
+        deadline = (
+            math.ceil(launch.timeout_s) if launch.timeout_s else self.config.active_deadline_s
+        )
+        return own_job(
+            render_job(self.template, variables),
+            name=name,
+            namespace=self.config.namespace,
+            labels={
+                **self.labels,
+                ROLLOUT: rollout_label(launch.rollout_id),
+                ATTEMPT: str(launch.attempt),
+            },
+            annotations={ROLLOUT_ID: launch.rollout_id, ATTEMPT: str(launch.attempt)},
+            env=env,
+            active_deadline_s=max(1, deadline),
+            ttl_after_finished_s=self.config.ttl_after_finished_s,
+        )
+
+    # -- API calls (blocking; run on the pool) ------------------------------------------------
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def _connect(self) -> k8s.ApiClient:
+        try:
+            if self.config.kubeconfig:
+                return k8s_config.new_client_from_config(self.config.kubeconfig)
+            try:
+                k8s_config.load_incluster_config()
+                return k8s.ApiClient()
+            except k8s_config.ConfigException:
+                return k8s_config.new_client_from_config()
+        except (k8s_config.ConfigException, OSError, TypeError) as error:
+            raise ValueError(f"no Kubernetes configuration: {error}") from None
+
+    def _retrying(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()`` retried through 429/5xx and dropped connections, with backoff."""
+        deadline = time.monotonic() + self.config.create_retry_s
+        wait = 0.1
+        while True:
+            self._count()
+            try:
+                return fn()
+            except ApiException as error:
+                if error.status not in RETRYABLE or time.monotonic() > deadline:
+                    raise
+                self.stats.api_errors += 1
+                log.warning("%s: %s; retrying in %.1f s", what, api_message(error), wait)
+            except (urllib3.exceptions.HTTPError, OSError) as error:
+                if time.monotonic() > deadline:
+                    raise
+                self.stats.api_errors += 1
+                log.warning("%s: %r; retrying in %.1f s", what, error, wait)
+            if self._stopping.wait(wait):
+                raise RuntimeError(f"{what}: the executor is closing")
+            wait = min(wait * 2, 5.0)
+
+    def _create_secret(self, name: str, key: str) -> None:
+        body = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name, "labels": dict(self.labels)},
+            "type": "Opaque",
+            "data": {SECRET_KEY: base64.b64encode(key.encode()).decode()},
+        }
+        try:
+            self._retrying(
+                f"creating Secret {name}",
+                lambda: self.core.create_namespaced_secret(self.config.namespace, body),
+            )
+        except ApiException as error:
+            if error.status != 409:  # 409: a retry of ours; the key of an attempt is fixed
+                message = api_message(error)
+                raise ValueError(f"the API server refused the Secret: {message}") from None
+
+    def _create_job(self, job: dict[str, Any]) -> None:
+        name = job["metadata"]["name"]
+        try:
+            self._retrying(
+                f"creating Job {name}",
+                lambda: self.batch.create_namespaced_job(
+                    self.config.namespace, job, _preload_content=False
+                ),
+            )
+        except ApiException as error:
+            if error.status == 409:
+                log.info("Job %s exists already: not launched again", name)
+                return
+            raise ValueError(f"the API server refused the Job: {api_message(error)}") from None
+        self.stats.jobs_created += 1
+
+    def _delete(self, name: str, *, job: bool = True) -> None:
+        """Delete the Job (with its pods) and its Secret; gone already is fine."""
+        targets: list[tuple[str, Callable[[], Any]]] = [
+            (
+                "Secret",
+                lambda: self.core.delete_namespaced_secret(name, self.config.namespace),
+            )
+        ]
+        if job:
+            targets.insert(
+                0,
+                (
+                    "Job",
+                    lambda: self.batch.delete_namespaced_job(
+                        name, self.config.namespace, propagation_policy="Background"
+                    ),
+                ),
+            )
+        for kind, delete in targets:
+            try:
+                self._retrying(f"deleting {kind} {name}", delete)
+                if kind == "Job":
+                    self.stats.jobs_deleted += 1
+            except ApiException as error:
+                if error.status != 404:
+                    log.warning("deleting %s %s: %s", kind, name, api_message(error))
+            except (urllib3.exceptions.HTTPError, OSError, RuntimeError) as error:
+                log.warning("deleting %s %s: %r (the next relist retries)", kind, name, error)
+
+    def _ensure_policy(self) -> None:
+        name = f"{self.config.instance}-agent-egress"
+        body = egress_policy(
+            name,
+            self.config.namespace,
+            {**self.labels, ROLE: "agent"},
+            self.config.egress,
+            self.config.agent_gateway_url,
+        )
+        ns = self.config.namespace
+        self._count()
+        try:
+            self.networking.create_namespaced_network_policy(ns, body)
+            log.info("NetworkPolicy %s created", name)
+            return
+        except ApiException as error:
+            if error.status != 409:
+                raise
+        self._count()
+        current = self.networking.read_namespaced_network_policy(name, ns, _preload_content=False)
+        existing = orjson.loads(current.data)
+        if existing.get("spec") != body["spec"]:
+            body["metadata"]["resourceVersion"] = existing["metadata"]["resourceVersion"]
+            self._count()
+            self.networking.replace_namespaced_network_policy(name, ns, body)
+            log.info("NetworkPolicy %s updated", name)
+
+    # -- watching ------------------------------------------------------------------------------
+
+    def _count(self) -> None:
+        with self._stats_lock:
+            self.stats.requests += 1
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _relist(self) -> str:
+        """List every Job (and Secret) of ours; reconcile; answer the resourceVersion."""
+        with self._lock:
+            since = self._next_seq()
+        items: list[dict[str, Any]] = []
+        token: str | None = None
+        version = ""
+        while True:
+            self._count()
+            response = self.batch.list_namespaced_job(
+                self.config.namespace,
+                label_selector=self.selector,
+                limit=500,
+                _continue=token,
+                _preload_content=False,
+            )
+            page = orjson.loads(response.data)
+            items.extend(page.get("items") or [])
+            version = page["metadata"].get("resourceVersion", version)
+            token = page["metadata"].get("continue")
+            if not token:
+                break
+        self.stats.relists += 1
+        present = {item["metadata"]["name"] for item in items}
+        with self._lock:
+            for item in items:
+                self._observe("ADDED", item)
+            for name, tracked in list(self._jobs.items()):
+                if name in present or tracked.seq >= since or tracked.state == CREATING:
+                    continue
+                self._observe_gone(name, tracked)
+            stale = [n for n in present if self._jobs.get(n, _NONE).state == FORGOTTEN]
+        for name in stale:  # an earlier delete did not take
+            self._delete(name)
+        self._collect_secrets(present)
+        return version
+
+    def _collect_secrets(self, jobs: set[str]) -> None:
+        """Delete Secrets of ours with no Job (a launch that died between the two)."""
+        self._count()
+        response = self.core.list_namespaced_secret(
+            self.config.namespace, label_selector=self.selector, _preload_content=False
+        )
+        names = [s["metadata"]["name"] for s in orjson.loads(response.data).get("items") or []]
+        with self._lock:
+            orphans = [
+                n for n in names if n not in jobs and self._jobs.get(n, _NONE).state != CREATING
+            ]
+        for name in orphans:
+            self._delete(name, job=False)
+
+    def _observe(self, kind: str, job: dict[str, Any]) -> None:
+        """One Job as the server has it now (lock held)."""
+        name = job["metadata"]["name"]
+        tracked = self._jobs.get(name)
+        if kind == "DELETED":
+            if tracked is not None:
+                self._observe_gone(name, tracked)
+            return
+        if tracked is None:
+            key = job_attempt(job)
+            if key is None:
+                log.warning("Job %s carries our labels but no attempt annotation", name)
+                return
+            tracked = self._jobs[name] = _Tracked(key, ACTIVE, self._seq)
+            self.stats.jobs_adopted += 1
+            log.info("adopted Job %s (%s attempt %d)", name, *key)
+        tracked.seq = max(tracked.seq, self._seq)
+        if tracked.state in (CREATING, ACTIVE):
+            finished, error = job_outcome(job)
+            if finished:
+                tracked.state = ENDED
+                self._exits.append(Exit(*tracked.key, error))
+
+    def _observe_gone(self, name: str, tracked: _Tracked) -> None:
+        if tracked.state in (CREATING, ACTIVE):
+            self._exits.append(Exit(*tracked.key, tracked.stop_reason or DELETED))
+            tracked.state = ENDED
+        elif tracked.state == FORGOTTEN:
+            del self._jobs[name]
+
+    def _watch_loop(self) -> None:
+        version = self._version
+        backoff = 0.1
+        next_relist = time.monotonic() + self.config.relist_s
+        while not self._stopping.is_set():
+            try:
+                if version is None or self._relist_due.is_set() or time.monotonic() >= next_relist:
+                    self._relist_due.clear()
+                    version = self._relist()
+                    next_relist = time.monotonic() + self.config.relist_s
+                if not self.config.watch:
+                    self._relist_due.wait(max(0.0, next_relist - time.monotonic()))
+                    continue
+                until = min(next_relist, time.monotonic() + self.config.watch_timeout_s)
+                version = self._watch(version, until)
+                backoff = 0.1
+                continue
+            except ApiException as error:
+                if error.status == 410:
+                    log.info("watch expired (410 Gone): relisting")
+                    self.stats.watch_expired += 1
+                    version = None
+                    continue
+                self.stats.api_errors += 1
+                log.warning("watching Jobs: %s; again in %.1f s", api_message(error), backoff)
+            except Exception as error:  # the API server went away, or a bug: never give up
+                # Keep ``version``: the next watch resumes there, or learns it is gone (410).
+                self.stats.api_errors += 1
+                log.warning("watching Jobs: %r; again in %.1f s", error, backoff)
+            if self._stopping.wait(backoff):
+                return
+            backoff = min(backoff * 2, 5.0)
+
+    def _watch(self, version: str, until: float) -> str:
+        """Follow changes from ``version`` until ``until`` (or a relist is asked for);
+        answers the last version seen. ApiException(410) when ``version`` is too old."""
+        timeout = max(1, round(until - time.monotonic()))
+        self._count()
+        self.stats.watch_restarts += 1
+        response = self.batch.list_namespaced_job(
+            self.config.namespace,
+            label_selector=self.selector,
+            watch=True,
+            allow_watch_bookmarks=True,
+            resource_version=version,
+            timeout_seconds=timeout,
+            _preload_content=False,
+            _request_timeout=(10, timeout + 30),
+        )
+        try:
+            for line in iter_resp_lines(response):
+                if not line:
+                    continue
+                event = orjson.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    raise ApiException(status=obj.get("code"), reason=obj.get("message"))
+                version = obj.get("metadata", {}).get("resourceVersion", version)
+                if kind != "BOOKMARK":
+                    with self._lock:
+                        self._observe(kind, obj)
+                if self._stopping.is_set() or self._relist_due.is_set():
+                    break
+        finally:
+            response.close()
+            response.release_conn()
+        return version
+
+
+_NONE = _Tracked(("", 0), "", 0)
