@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class TcpProxy:
@@ -72,7 +74,8 @@ class TcpProxy:
             return
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
+        except OSError as error:
+            log.warning("proxy: cannot reach %s:%d: %r", *self.target, error)
             writer.transport.abort()
             return
         self.connections += 1

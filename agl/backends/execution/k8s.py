@@ -337,16 +337,23 @@ class TokenBucket:
         self.tokens, self.stamp = float(burst), clock()
         self.lock = asyncio.Lock()
 
+    def available(self) -> int:
+        """How many acquisitions would not wait now."""
+        self._refill()
+        return int(self.tokens)
+
     async def take(self) -> None:
         async with self.lock:
-            now = self.clock()
-            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-            self.stamp = now
+            self._refill()
             if self.tokens < 1:
                 await asyncio.sleep((1 - self.tokens) / self.rate)
-                self.stamp = self.clock()
-                self.tokens = 1.0
+                self._refill()
             self.tokens -= 1
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
 
 
 # -- the executor ---------------------------------------------------------------------------
@@ -407,7 +414,9 @@ class K8sExecutor:
             return 0
         with self._lock:
             busy = sum(t.state in (CREATING, ACTIVE) for t in self._jobs.values())
-        return max(0, self.config.max_jobs - busy)
+        # Only what can be created now: an attempt moved to running but waiting for its
+        # Job would be lost (and its attempt spent) if the controller stopped meanwhile.
+        return max(0, min(self.config.max_jobs - busy, self._bucket.available()))
 
     def running(self) -> set[Key]:
         with self._lock:
