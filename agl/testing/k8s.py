@@ -467,6 +467,7 @@ class _StatusWriter:
         self._factory = api_client_factory
         self._namespace = namespace
         self._closing = threading.Event()
+        self.finished: dict[str, float] = {}  # Job name -> time.time() its end was written
         self._lanes: list[queue.SimpleQueue[_Patch | None]] = [
             queue.SimpleQueue() for _ in range(self.LANES)
         ]
@@ -509,6 +510,8 @@ class _StatusWriter:
                 )
                 response.read()
                 response.release_conn()
+                if "conditions" in status:  # only a final status carries conditions
+                    self.finished[name] = time.time()
                 return
             except ApiException as e:
                 if e.status == 404:
@@ -784,6 +787,11 @@ class NodeSimulator:
         """Job names in the order their pods started (a name recurs if a Job is recreated)."""
         with self._lock:
             return list(self._started)
+
+    @property
+    def finished(self) -> dict[str, float]:
+        """Job name -> wall-clock time (``time.time()``) its terminal status was written."""
+        return dict(self._writer.finished)
 
     def count_started(self, name: str) -> int:
         return self.started.count(name)

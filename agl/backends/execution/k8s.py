@@ -405,6 +405,7 @@ class K8sExecutor:
         self._started = False
         self._api: k8s.ApiClient | None = None
         self._version: str | None = None  # of the first list, where the watch starts
+        self._deleting: set[asyncio.Future[None]] = set()
 
     # -- the Executor protocol -------------------------------------------------------------
 
@@ -473,14 +474,17 @@ class K8sExecutor:
         return exits
 
     async def forget(self, rollout_id: str, attempt: int) -> None:
-        """The exit is recorded at the gateway: delete the Job and its Secret."""
+        """The exit is recorded at the gateway: delete the Job and its Secret, in the
+        background (the controller's pass need not wait; a relist retries a failure)."""
         name = job_name(self.config.instance, rollout_id, attempt)
         with self._lock:
             tracked = self._jobs.get(name)
             if tracked is None or tracked.state != ENDED:
                 return
             tracked.state = FORGOTTEN
-        await self._call(self._delete, name)
+        deletion = asyncio.ensure_future(self._call(self._delete, name))
+        self._deleting.add(deletion)
+        deletion.add_done_callback(self._deleting.discard)
 
     async def stop(self, keys: set[Key]) -> None:
         """Delete these attempts' Jobs; each ends with an ``Exit`` saying so."""
@@ -499,6 +503,8 @@ class K8sExecutor:
             return
         self._stopping.set()
         self._relist_due.set()
+        if self._deleting:
+            await asyncio.wait(self._deleting, timeout=10)
         if self.config.delete_on_close and self._api is not None:
             with self._lock:
                 names = list(self._jobs)
@@ -564,14 +570,19 @@ class K8sExecutor:
         except (k8s_config.ConfigException, OSError, TypeError) as error:
             raise ValueError(f"no Kubernetes configuration: {error}") from None
 
-    def _retrying(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()`` retried through 429/5xx and dropped connections, with backoff."""
+    def _retrying(self, what: str, fn: Callable[[], Any]) -> None:
+        """``fn()`` (a call made with ``_preload_content=False``: its answer is not needed,
+        and turning it into the client's models costs more CPU than the request) retried
+        through 429/5xx and dropped connections, with backoff."""
         deadline = time.monotonic() + self.config.create_retry_s
         wait = 0.1
         while True:
             self._count()
             try:
-                return fn()
+                response = fn()
+                response.read()
+                response.release_conn()
+                return
             except ApiException as error:
                 if error.status not in RETRYABLE or time.monotonic() > deadline:
                     raise
@@ -597,7 +608,9 @@ class K8sExecutor:
         try:
             self._retrying(
                 f"creating Secret {name}",
-                lambda: self.core.create_namespaced_secret(self.config.namespace, body),
+                lambda: self.core.create_namespaced_secret(
+                    self.config.namespace, body, _preload_content=False
+                ),
             )
         except ApiException as error:
             if error.status != 409:  # 409: a retry of ours; the key of an attempt is fixed
@@ -625,7 +638,9 @@ class K8sExecutor:
         targets: list[tuple[str, Callable[[], Any]]] = [
             (
                 "Secret",
-                lambda: self.core.delete_namespaced_secret(name, self.config.namespace),
+                lambda: self.core.delete_namespaced_secret(
+                    name, self.config.namespace, _preload_content=False
+                ),
             )
         ]
         if job:
@@ -634,7 +649,10 @@ class K8sExecutor:
                 (
                     "Job",
                     lambda: self.batch.delete_namespaced_job(
-                        name, self.config.namespace, propagation_policy="Background"
+                        name,
+                        self.config.namespace,
+                        propagation_policy="Background",
+                        _preload_content=False,
                     ),
                 ),
             )
