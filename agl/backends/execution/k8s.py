@@ -398,7 +398,6 @@ class K8sExecutor:
         self._stats_lock = threading.Lock()
         self._seq = 0
         self._stopping = threading.Event()
-        self._relist_due = threading.Event()
         self._watcher: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(config.api_threads, thread_name_prefix="k8s-api")
         self._bucket = TokenBucket(config.create_qps, config.create_burst)
@@ -502,7 +501,6 @@ class K8sExecutor:
         if self._stopping.is_set():
             return
         self._stopping.set()
-        self._relist_due.set()
         if self._deleting:
             await asyncio.wait(self._deleting, timeout=10)
         if self.config.delete_on_close and self._api is not None:
@@ -514,10 +512,6 @@ class K8sExecutor:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._api is not None:
             self._api.close()
-
-    def request_relist(self) -> None:
-        """Relist at the next chance (tests; a controller that suspects a miss)."""
-        self._relist_due.set()
 
     # -- building the Job ----------------------------------------------------------------------
 
@@ -561,7 +555,8 @@ class K8sExecutor:
     def _connect(self) -> k8s.ApiClient:
         try:
             if self.config.kubeconfig:
-                return k8s_config.new_client_from_config(self.config.kubeconfig)
+                path = str(Path(self.config.kubeconfig).expanduser())
+                return k8s_config.new_client_from_config(path)
             try:
                 k8s_config.load_incluster_config()
                 return k8s.ApiClient()
@@ -791,12 +786,11 @@ class K8sExecutor:
         next_relist = time.monotonic() + self.config.relist_s
         while not self._stopping.is_set():
             try:
-                if version is None or self._relist_due.is_set() or time.monotonic() >= next_relist:
-                    self._relist_due.clear()
+                if version is None or time.monotonic() >= next_relist:
                     version = self._relist()
                     next_relist = time.monotonic() + self.config.relist_s
                 if not self.config.watch:
-                    self._relist_due.wait(max(0.0, next_relist - time.monotonic()))
+                    self._stopping.wait(max(0.0, next_relist - time.monotonic()))
                     continue
                 until = min(next_relist, time.monotonic() + self.config.watch_timeout_s)
                 version = self._watch(version, until)
@@ -819,7 +813,7 @@ class K8sExecutor:
             backoff = min(backoff * 2, 5.0)
 
     def _watch(self, version: str, until: float) -> str:
-        """Follow changes from ``version`` until ``until`` (or a relist is asked for);
+        """Follow changes from ``version`` until ``until`` (or the executor closes);
         answers the last version seen. ApiException(410) when ``version`` is too old."""
         timeout = max(1, round(until - time.monotonic()))
         self._count()
@@ -846,7 +840,7 @@ class K8sExecutor:
                 if kind != "BOOKMARK":
                     with self._lock:
                         self._observe(kind, obj)
-                if self._stopping.is_set() or self._relist_due.is_set():
+                if self._stopping.is_set():
                     break
         finally:
             response.close()
