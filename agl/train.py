@@ -65,7 +65,10 @@ def _hydra_job(cfg: Any) -> None:
     sweep = None
     if hydra_cfg.mode.name == "MULTIRUN":
         sweep = Path(hydra_cfg.sweep.dir).name
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # Ctrl-C and SIGTERM stop the run cleanly, even where the parent started us with
+    # SIGINT ignored (a background job of a non-interactive shell).
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.default_int_handler)
     try:
         train(cfg, run_dir, sweep=sweep)
     except UserError as error:
