@@ -529,7 +529,10 @@ def test_reconcile_fails_lost_attempts_and_stops_orphans(tmp_path: Path) -> None
                     client, ex, gateway_url=gw.url, model="m", poll_s=0.01, reconcile_s=0
                 )
                 task = asyncio.create_task(controller.run())
-                await wait_until(lambda: controller.stats.orphans_stopped == 1, 10)
+                try:
+                    await wait_until(lambda: controller.stats.orphans_stopped == 1, 30)
+                except TimeoutError:
+                    raise AssertionError(f"{controller.stats}, {ex.stopped}") from None
                 assert (controller.stats.lost, controller.stats.given_up) == (1, 1)
                 assert admin.get_rollout("mine").status is Status.RUNNING
                 task.cancel()

@@ -14,7 +14,9 @@ Invariants:
 - within one controller an attempt is launched at most once and settled once per exit;
 - every HTTP call a pass makes per rollout runs concurrently with the others;
 - a gateway error on one rollout is logged and retried on a later pass; it never ends
-  the loop. Every PATCH names its attempt, so a retry is a no-op where it already took.
+  the loop. Every PATCH names its attempt, so a retry is a no-op where it already took;
+- the executor is told to ``forget`` an exit only once the gateway has recorded it, so
+  what is left of an execution (a Job) survives until then for a restarted controller.
 
 With ``reconcile_s`` set, every so often a pass also compares the gateway's running
 rollouts with what executes:
@@ -298,7 +300,8 @@ class Controller:
             self.stats.lost += len(lost)
             await self._settle_all([Exit(rid, attempt, LOST) for rid, attempt in lost])
         orphans = executing - running
-        stop, self._orphans = orphans & self._orphans, orphans - self._orphans
+        stop = orphans & self._orphans
+        self._orphans = orphans - stop
         if stop:
             log.info("stopping %d executions whose rollouts moved on", len(stop))
             self.stats.orphans_stopped += len(stop)
