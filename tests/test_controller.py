@@ -612,3 +612,62 @@ def test_workers_die_with_a_killed_parent(tmp_path: Path) -> None:
     while any(map(alive, workers)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(map(alive, workers))
+
+
+def test_a_controller_killed_mid_batch_loses_nothing_and_launches_nothing_twice(
+    tmp_path: Path,
+) -> None:
+    """``python -m agl.controller executor=local`` is killed (-9) with attempts running:
+    its workers die with it; the next controller fails those attempts as lost and runs
+    them again as new attempts. Every rollout ends succeeded; no attempt ran twice."""
+    ids = [f"k{i}" for i in range(16)]
+    with gateway_process(tmp_path / "gw") as gw, GatewayClient(gw.url, gw.token) as admin:
+        slow = {"reward": 1, "sleep": 1.5}
+        admin.create_rollouts([{"rollout_id": r, "input": slow, "max_attempts": 3} for r in ids])
+        command = [
+            sys.executable,
+            "-m",
+            "agl.controller",
+            "executor=local",
+            f"harness={HARNESSES}:reward_from_input",
+            f"gateway_url={gw.url}",
+            "model=policy",
+            "reconcile_s=0.5",
+            "concurrency=8",
+            f"run_dir={tmp_path / 'controller'}",
+            "log_level=warning",
+        ]
+        env = {**os.environ, "AGL_ADMIN_TOKEN": gw.token}
+
+        def statuses() -> list[Status]:
+            return [admin.get_rollout(r).status for r in ids]
+
+        first = subprocess.Popen(command, cwd=REPO, env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while statuses().count(Status.RUNNING) < 8:
+                assert first.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            workers = psutil.Process(first.pid).children(recursive=True)
+            first.kill()
+            first.wait(10)
+            psutil.wait_procs(workers, timeout=10)
+            assert not [w for w in workers if w.is_running()], "workers outlived it"
+        finally:
+            first.kill()
+        second = subprocess.Popen(command, cwd=REPO, env=env)
+        try:
+            deadline = time.monotonic() + 90
+            while any(s is not Status.SUCCEEDED for s in statuses()):
+                assert second.poll() is None and time.monotonic() < deadline, statuses()
+                time.sleep(0.1)
+        finally:
+            second.terminate()
+            second.wait(30)
+        for rid in ids:
+            rollout = admin.get_rollout(rid)
+            seen = admin.get_events(rid, type="seen")
+            # One launch per attempt: attempts killed with the first controller, then the
+            # one that succeeded.
+            assert sorted(e.attempt for e in seen) == list(range(1, rollout.attempt + 1))
+        assert any(admin.get_rollout(r).attempt > 1 for r in ids)  # some were re-run
