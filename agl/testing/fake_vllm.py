@@ -106,7 +106,12 @@ class FakeVllm:
         return _Answer(text, None, [*encode(text), EOS], "stop")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = orjson.loads(await request.read())
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as error:
+            return _bad_request(f"body is not valid JSON: {error}")
+        if not isinstance(body, dict):
+            return _bad_request("body must be a JSON object")
         self.requests.append(body)
         if self.fail_next:
             status = self.fail_next.pop(0)
@@ -122,7 +127,16 @@ class FakeVllm:
             return web.json_response(
                 {"error": {"message": "messages must be a non-empty list"}}, status=400
             )
-        answer = self._answer(body)
+        messages = body["messages"]
+        if not all(isinstance(m, dict) and isinstance(m.get("role", ""), str) for m in messages):
+            return _bad_request("each message must be an object with a string 'role'")
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            return _bad_request("max_tokens must be a positive integer")
+        try:
+            answer = self._answer(body)
+        except (LookupError, TypeError, ValueError, AttributeError) as error:
+            return _bad_request(f"invalid request: {error!r}")  # vLLM answers 400, not 500
         want_ids = bool(body.get("return_token_ids"))
         want_logprobs = bool(body.get("logprobs"))
         prompt = prompt_ids(body["messages"])
@@ -217,6 +231,10 @@ class FakeVllm:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def _bad_request(message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": 400}}, status=400)
 
 
 def _pieces(answer: _Answer) -> list[tuple[int, dict[str, Any]]]:
