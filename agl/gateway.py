@@ -1,4 +1,8 @@
-"""``python -m agl.gateway host=127.0.0.1 port=8000 run_dir=runs/gateway``"""
+"""``python -m agl.gateway host=127.0.0.1 port=8000 run_dir=runs/gateway``
+
+A host other than loopback needs a secret configured (``GatewayConfig``): without one the
+gateway refuses to start, with one line and exit status 2.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import uvicorn
 
 from agl.core.auth import load_admin_token
 from agl.core.cli import parse_or_exit
-from agl.core.gateway import GatewayConfig, create_app
+from agl.core.gateway import GatewayConfig, bind_refusal, create_app
 
 log = logging.getLogger("agl.gateway")
 
@@ -22,10 +26,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     run_dir = Path(config.run_dir)
     try:
-        token, source = load_admin_token(run_dir)
-    except OSError as error:
-        sys.stderr.write(f"agl.gateway: cannot set up run_dir {run_dir}: {error}\n")
+        token, source = load_admin_token(run_dir, config.admin_token_file)
+    except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
+        what = "read admin_token_file" if config.admin_token_file else f"set up run_dir {run_dir}"
+        sys.stderr.write(f"agl.gateway: cannot {what}: {error}\n")
         raise SystemExit(2) from None
+    refusal = bind_refusal(config, source, token)
+    if refusal:
+        sys.stderr.write(f"agl.gateway: {refusal}\n")
+        raise SystemExit(2)
     log.info(
         "gateway on http://%s:%d, store %s, admin token from %s",
         config.host,

@@ -85,9 +85,16 @@ def bearer(header: str | None) -> str | None:
     return token.strip()
 
 
-def load_admin_token(run_dir: Path) -> tuple[str, str]:
-    """The admin token and where it came from: ``AGL_ADMIN_TOKEN`` if set, else the token
-    kept in ``run_dir/admin_token`` (made once, mode 600)."""
+def load_admin_token(run_dir: Path, token_file: str = "") -> tuple[str, str]:
+    """The admin token and where it came from: the file ``token_file`` names if given
+    (source ``admin_token_file``), else ``AGL_ADMIN_TOKEN`` if set, else the token kept
+    in ``run_dir/admin_token`` (made once, mode 600; its path is the source). The first
+    two count as a secret configured (see ``GatewayConfig``); the last does not."""
+    if token_file:
+        token = Path(token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"admin_token_file {token_file} is empty")
+        return token, "admin_token_file"
     token = os.environ.get("AGL_ADMIN_TOKEN")
     if token:
         return token, "AGL_ADMIN_TOKEN"

@@ -1,8 +1,10 @@
 """A small typed client of the gateway, for the trainer, the controller and agents.
 
-Every call is retried on connection errors and 5xx with exponential backoff. That is
-safe because each endpoint is idempotent, and events get their ``event_id`` here, before
-the first try, so a retried POST appends once.
+Every call is retried on connection errors and 5xx with exponential backoff, and on 429
+(the gateway's per-attempt rate limit, which refuses a call before doing anything) after
+the wait its ``Retry-After`` asks for. That is safe because each endpoint is idempotent,
+and events get their ``event_id`` here, before the first try, so a retried POST appends
+once.
 
 ``GatewayClient`` is synchronous, ``AsyncGatewayClient`` its asyncio twin; both send the
 requests described by :class:`_Calls`, so they cannot disagree on the wire format.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import random
 import time
 import uuid
@@ -37,7 +40,24 @@ from agl.core.records import (
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-RETRY_STATUSES = frozenset({500, 502, 503, 504})
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+MAX_RETRY_AFTER_S = 60.0
+
+
+def server_retry_after(response: httpx.Response) -> float | None:
+    """The wait a 429/503 asks for: ``retry-after-ms``, else ``Retry-After`` in seconds
+    (an HTTP date is not used), capped at a minute; None when absent or unreadable."""
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        value = response.headers.get(name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value) * scale
+        except ValueError:
+            continue
+        if seconds >= 0 and math.isfinite(seconds):
+            return min(seconds, MAX_RETRY_AFTER_S)
+    return None
 
 
 class GatewayError(Exception):
@@ -252,6 +272,9 @@ class _Base:
             return None
         what = outcome.status_code if isinstance(outcome, httpx.Response) else repr(outcome)
         log.warning("gateway %s %s: %s; retrying", call.method, call.path, what)
+        asked = server_retry_after(outcome) if isinstance(outcome, httpx.Response) else None
+        if asked is not None:  # the gateway's rate limit says when: wait that, a bit more
+            return asked * (1.0 + random.random() / 10)
         return min(self.backoff_s * 2**attempt, 5.0) * (0.5 + random.random() / 2)
 
     def _request(self, call: _Call[Any]) -> dict[str, Any]:

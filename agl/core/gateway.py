@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import math
 import re
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -53,9 +56,27 @@ MAX_PAGE = 1000
 MAX_EVENT_PAGE = 10_000
 
 
+MIN_SECRET_CHARS = 16
+
+
 @dataclass
 class GatewayConfig:
-    """Options of ``python -m agl.gateway key=value ...``."""
+    """Options of ``python -m agl.gateway key=value ...``.
+
+    ``host`` is loopback unless told otherwise. Binding anything else (``0.0.0.0``,
+    ``::``, a LAN address, a host name other than ``localhost``) needs *a secret
+    configured*: an admin token given explicitly, by ``AGL_ADMIN_TOKEN`` or by
+    ``admin_token_file`` (say a mounted Secret), of at least 16 characters. The token
+    the gateway makes for itself in ``run_dir/admin_token`` is fine on loopback, but
+    nobody chose it for a network, so it does not count. The attempt keys' signing
+    secret needs no setting: it is 32 random bytes made once and kept in the store (the
+    same store, the same keys after a restart), never derived from the admin token.
+
+    ``attempt_rps`` / ``attempt_burst``: a token bucket per attempt key over everything
+    that key can call (proxy, events, reading its rollout, finishing its attempt); a call
+    over it gets 429 with ``Retry-After``. ``attempt_rps=0`` turns the limit off. The
+    admin token is never limited.
+    """
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -69,15 +90,133 @@ class GatewayConfig:
     fsync: bool = False  # also survive power loss, not only kill -9 (an fsync per commit)
     access_log: bool = False
     log_level: str = "info"
+    admin_token_file: str = ""  # read the admin token from this file instead
+    attempt_rps: float = 50.0  # calls per second per attempt key, sustained (0: no limit)
+    attempt_burst: int = 100  # calls per attempt key above the rate before 429s start
 
     def __post_init__(self) -> None:
         check_port(self.port)
         if self.max_body_mb <= 0:
             raise ValueError(f"max_body_mb={self.max_body_mb} must be positive")
+        if self.attempt_rps < 0:
+            raise ValueError(f"attempt_rps={self.attempt_rps} must be 0 (no limit) or positive")
+        if self.attempt_burst < 1:
+            raise ValueError(f"attempt_burst={self.attempt_burst} must be at least 1")
 
     @property
     def store_url(self) -> str:
         return self.store or str(Path(self.run_dir) / "gateway.db")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the gateway on this machine. A host name other than
+    ``localhost`` is not trusted to resolve to loopback."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_refusal(config: GatewayConfig, token_source: str, token: str) -> str | None:
+    """Why the gateway must not start on ``config.host`` with this admin token, or None."""
+    if is_loopback(config.host):
+        return None
+    if token_source not in ("AGL_ADMIN_TOKEN", "admin_token_file"):
+        return (
+            f"refusing to listen on {config.host} (not loopback) without a secret configured: "
+            "set AGL_ADMIN_TOKEN or admin_token_file=PATH (e.g. `openssl rand -hex 32`), "
+            "or keep host=127.0.0.1"
+        )
+    if len(token) < MIN_SECRET_CHARS:
+        return (
+            f"refusing to listen on {config.host} (not loopback): the admin token from "
+            f"{token_source} has {len(token)} characters, fewer than {MIN_SECRET_CHARS} "
+            "(make one with `openssl rand -hex 32`)"
+        )
+    return None
+
+
+class AttemptRateLimit:
+    """A token bucket per attempt: ``burst`` calls at once, then ``rate`` a second.
+
+    Buckets live in least-recently-used order; one idle long enough to have refilled
+    (``burst / rate`` seconds: 2 s by default) is the same as no bucket and is dropped on
+    the next call, so memory follows the attempts active in the last few seconds, with
+    ``max_buckets`` as a hard cap under a flood of distinct attempts. A finished
+    attempt's bucket simply expires that way."""
+
+    def __init__(
+        self,
+        rate: float,
+        burst: int,
+        max_buckets: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.max_buckets = max_buckets
+        self.clock = clock
+        self._refill_s = burst / rate if rate > 0 else 0.0
+        self._buckets: OrderedDict[tuple[str, int], tuple[float, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def take(self, key: tuple[str, int]) -> float:
+        """Spend one call of ``key``'s bucket: 0.0 if allowed, else the seconds until the
+        next call would be."""
+        if self.rate <= 0:
+            return 0.0
+        now = self.clock()
+        bucket = self._buckets.pop(key, None)
+        self._expire(now)
+        tokens = (
+            self.burst
+            if bucket is None
+            else min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+        )
+        wait = 0.0
+        if tokens >= 1.0:
+            tokens -= 1.0
+        else:
+            wait = (1.0 - tokens) / self.rate
+        self._buckets[key] = (tokens, now)
+        return wait
+
+    def _expire(self, now: float) -> None:
+        """Drop the buckets that have refilled, oldest first, and make room for one."""
+        buckets = self._buckets
+        while buckets:
+            key, (_, last) = next(iter(buckets.items()))
+            if now - last < self._refill_s and len(buckets) < self.max_buckets:
+                return
+            del buckets[key]
+
+
+class RateLimited(ApiError):
+    """429 with ``Retry-After`` (whole seconds, as HTTP has it) and ``retry-after-ms``
+    (which the openai client prefers), OpenAI's ``rate_limit_error`` type."""
+
+    def __init__(self, message: str, wait_s: float) -> None:
+        super().__init__(429, message)
+        self.wait_s = wait_s
+
+    def response(self) -> Response:
+        body = {
+            "error": {"message": self.message, "type": "rate_limit_error", "code": 429},
+            "retry_after_s": round(self.wait_s, 3),
+        }
+        return Response(
+            orjson.dumps(body),
+            status_code=429,
+            media_type="application/json",
+            headers={
+                "Retry-After": str(max(1, math.ceil(self.wait_s))),
+                "retry-after-ms": str(max(1, math.ceil(self.wait_s * 1000))),
+            },
+        )
 
 
 _SPECS = TypeAdapter(list[RolloutSpec])
@@ -216,11 +355,18 @@ class FastLane:
 class Gateway:
     """State shared by the routes: store, keys, proxy, admission gate."""
 
-    def __init__(self, store: Store, keyring: Keyring, proxy: RecordingProxy) -> None:
+    def __init__(
+        self,
+        store: Store,
+        keyring: Keyring,
+        proxy: RecordingProxy,
+        limit: AttemptRateLimit | None = None,
+    ) -> None:
         self.store = store
         self.keyring = keyring
         self.proxy = proxy
         self.gate = proxy.gate
+        self.limit = AttemptRateLimit(0.0, 1) if limit is None else limit  # it has a len()
 
     # -- auth ----------------------------------------------------------------------
 
@@ -231,6 +377,16 @@ class Gateway:
         principal = self.keyring.identify(token)
         if principal is None:
             raise ApiError(401, "invalid token")
+        if not principal.admin:
+            assert principal.rollout_id is not None and principal.attempt is not None
+            wait = self.limit.take((principal.rollout_id, principal.attempt))
+            if wait:
+                raise RateLimited(
+                    f"too many calls from the key of rollout {principal.rollout_id!r} attempt "
+                    f"{principal.attempt} (limit {self.limit.rate:g}/s, burst "
+                    f"{self.limit.burst:g}); retry in {wait:.2f} s",
+                    wait,
+                )
         return principal
 
     def admin(self, request: Request) -> None:
@@ -349,7 +505,12 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         await upstream.start()
         proxy = RecordingProxy(store, upstream, AdmissionGate())
         proxy.router.load(await store.list_models())
-        gateway = Gateway(store, Keyring(admin_token, bytes.fromhex(secret)), proxy)
+        gateway = Gateway(
+            store,
+            Keyring(admin_token, bytes.fromhex(secret)),
+            proxy,
+            AttemptRateLimit(config.attempt_rps, config.attempt_burst),
+        )
         holder["gateway"] = gateway
         sweeper = asyncio.create_task(gateway.sweep_timeouts(config.sweep_interval_s))
         try:

@@ -55,8 +55,12 @@ def _make_preexec() -> Callable[[], None] | None:
     return preexec
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
+    with socket.socket(_family(host)) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
@@ -66,13 +70,27 @@ def port_free(host: str, port: int) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    with socket.socket(_family(host)) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
+def connect_host(host: str) -> str:
+    """Where to reach a server bound to ``host``: loopback for a wildcard address, an IPv6
+    literal in brackets (a URL's form)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
 class ChildGateway:
-    """``python -m agl.gateway`` as a child process with a fresh admin token."""
+    """``python -m agl.gateway`` as a child process with a fresh admin token.
+
+    The token (32 random bytes) goes to the child as ``AGL_ADMIN_TOKEN``, which counts as
+    a secret configured, so ``gateway.host=0.0.0.0`` (say, for agents on other machines)
+    starts as well as the loopback default does."""
 
     def __init__(self, run_dir: Path, host: str = "127.0.0.1", port: int = 0) -> None:
         if port and not port_free(host, port):
@@ -85,7 +103,7 @@ class ChildGateway:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{connect_host(self.host)}:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> ChildGateway:
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,495 @@
+"""The gateway's security over real HTTP, on real processes: what an attempt key cannot
+reach (tests/test_gateway_api.py covers the common cases; these are the gaps), tokens
+that never reach the log, refusing to bind a network without a secret, the per-attempt
+rate limit and the body limit on the agents' routes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from agl.core.client import GatewayClient, GatewayError, proxy_base_url
+from agl.core.gateway import AttemptRateLimit, is_loopback
+from agl.core.records import Rollout
+from agl.core.services import ChildGateway, free_port
+from agl.testing.fake_vllm import FakeVllm
+from agl.testing.processes import GatewayProcess, gateway_process, wait_healthy
+
+REPO = Path(__file__).resolve().parents[1]
+SECRET = "0123456789abcdef0123456789abcdef"  # what `openssl rand -hex 16` could print
+CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def new_id() -> str:
+    return f"r-{uuid.uuid4().hex[:12]}"
+
+
+def raw(
+    url: str, method: str, path: str, token: str | None = None, **kwargs: object
+) -> httpx.Response:
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    return httpx.request(method, url + path, headers=headers, timeout=10, **kwargs)
+
+
+def error_message(response: httpx.Response) -> str:
+    body = response.json()
+    assert set(body["error"]) >= {"message", "type", "code"}, body
+    assert body["error"]["message"], body
+    return body["error"]["message"]
+
+
+def chat_path(rollout_id: str, attempt: int, mode: str = "train") -> str:
+    return proxy_base_url("", rollout_id, attempt, mode) + "/chat/completions"
+
+
+def events_path(rollout_id: str, attempt: int) -> str:
+    return f"/api/rollouts/{rollout_id}/attempt/{attempt}/events"
+
+
+REWARD = {"type": "reward", "data": {"value": 1.0}}
+
+
+# -- what an attempt key cannot reach ------------------------------------------------
+
+
+def test_a_key_cannot_reach_another_rollout(
+    gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout], fake: FakeVllm
+) -> None:
+    mine, other = running(), running()
+    key = mine.attempt_key
+    calls = [
+        ("GET", f"/api/rollouts/{other.rollout_id}", None),
+        ("GET", f"/api/rollouts/{other.rollout_id}/events", None),
+        ("GET", f"/api/rollouts/{other.rollout_id}/events?attempt=1", None),
+        ("PATCH", f"/api/rollouts/{other.rollout_id}", {"status": "failed"}),
+        ("PATCH", f"/api/rollouts/{other.rollout_id}/attempt/1", {"status": "succeeded"}),
+        ("POST", events_path(other.rollout_id, 1), REWARD),
+        ("POST", chat_path(other.rollout_id, 1), CHAT),
+        ("POST", chat_path(other.rollout_id, 1, "val"), CHAT),
+    ]
+    for method, path, body in calls:
+        response = raw(gateway.url, method, path, key, json=body)
+        assert response.status_code == 403, (method, path, response.text)
+        error_message(response)
+    # Nothing of it landed: the other rollout is as it was, with no events and no calls.
+    assert admin.get_rollout(other.rollout_id) == other
+    assert admin.get_events(other.rollout_id) == []
+    assert fake.requests == []
+    # Its own routes still work with the same key.
+    ok = raw(gateway.url, "POST", chat_path(mine.rollout_id, 1), key, json=CHAT)
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_key_cannot_call_the_admin_api(
+    gateway: GatewayProcess, running: Callable[..., Rollout], admin: GatewayClient
+) -> None:
+    r = running()
+    before = admin.list_models()
+    calls = [
+        ("GET", "/api/rollouts", None),
+        ("GET", "/api/rollouts?status=running", None),
+        ("POST", "/api/rollouts", [{"rollout_id": new_id()}]),
+        ("PATCH", f"/api/rollouts/{r.rollout_id}", {"status": "succeeded"}),
+        ("GET", "/api/models", None),
+        ("POST", "/api/models", [{"model": "evil", "endpoint": "http://evil/v1"}]),
+        ("DELETE", "/api/models", None),
+        ("DELETE", "/api/models?model=policy", None),
+        ("GET", "/api/admission", None),
+        ("POST", "/api/admission", {"state": "paused", "timeout_s": 0}),
+        ("POST", "/api/admission", {"state": "running"}),
+    ]
+    for method, path, body in calls:
+        response = raw(gateway.url, method, path, r.attempt_key, json=body)
+        assert response.status_code == 403, (method, path, response.text)
+        assert "admin" in error_message(response)
+    assert admin.list_models() == before
+    assert admin.admission().state == "running"
+    assert admin.get_rollout(r.rollout_id).status == "running"
+
+
+def test_the_key_of_an_earlier_attempt_reaches_nothing(
+    gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout], fake: FakeVllm
+) -> None:
+    r = running(max_attempts=2)
+    old = r.attempt_key
+    admin.patch_rollout(r.rollout_id, "failed")
+    admin.patch_rollout(r.rollout_id, "queuing")
+    now = admin.patch_rollout(r.rollout_id, "running")
+    assert now.attempt == 2 and now.attempt_key != old
+    # The new attempt's routes, and reading the rollout it now runs: not this key's.
+    for method, path, body in [
+        ("GET", f"/api/rollouts/{r.rollout_id}", None),
+        ("GET", f"/api/rollouts/{r.rollout_id}/events", None),
+        ("PATCH", f"/api/rollouts/{r.rollout_id}/attempt/2", {"status": "succeeded"}),
+        ("POST", events_path(r.rollout_id, 2), REWARD),
+        ("POST", chat_path(r.rollout_id, 2), CHAT),
+    ]:
+        response = raw(gateway.url, method, path, old, json=body)
+        assert response.status_code == 403, (method, path, response.text)
+        error_message(response)
+    # Its own, finished attempt: refused as not the running one (409, as elsewhere).
+    for method, path, body in [
+        ("PATCH", f"/api/rollouts/{r.rollout_id}/attempt/1", {"status": "succeeded"}),
+        ("POST", events_path(r.rollout_id, 1), REWARD),
+        ("POST", chat_path(r.rollout_id, 1), CHAT),
+    ]:
+        response = raw(gateway.url, method, path, old, json=body)
+        assert response.status_code == 409, (method, path, response.text)
+        assert "attempt 1" in error_message(response)
+        assert response.json()["current"]["attempt_key"] is None  # no key for the new one
+    after = admin.get_rollout(r.rollout_id)
+    assert (after.status, after.attempt, after.version) == (now.status, 2, now.version)
+    assert admin.get_events(r.rollout_id) == []
+    assert fake.requests == []
+
+
+def test_no_token_gets_401_everywhere(gateway: GatewayProcess, running: Callable[..., Rollout]):
+    r = running()
+    calls = [
+        ("GET", "/api/rollouts", None),
+        ("POST", "/api/rollouts", [{"rollout_id": new_id()}]),
+        ("GET", f"/api/rollouts/{r.rollout_id}", None),
+        ("PATCH", f"/api/rollouts/{r.rollout_id}", {"status": "failed"}),
+        ("PATCH", f"/api/rollouts/{r.rollout_id}/attempt/1", {"status": "failed"}),
+        ("GET", f"/api/rollouts/{r.rollout_id}/events", None),
+        ("POST", events_path(r.rollout_id, 1), REWARD),
+        ("GET", "/api/models", None),
+        ("POST", "/api/models", [{"model": "evil", "endpoint": "http://evil/v1"}]),
+        ("DELETE", "/api/models", None),
+        ("GET", "/api/admission", None),
+        ("POST", "/api/admission", {"state": "paused"}),
+        ("POST", chat_path(r.rollout_id, 1), CHAT),
+    ]
+    for method, path, body in calls:
+        for headers in ({}, {"Authorization": "Basic dXNlcjpwdw=="}, {"Authorization": "Bearer"}):
+            response = httpx.request(
+                method, gateway.url + path, json=body, headers=headers, timeout=10
+            )
+            assert response.status_code == 401, (method, path, headers, response.text)
+            assert "Bearer" in error_message(response)
+        # A key forged for this very rollout: 401, not 403 (no HMAC, no identity).
+        forged = r.attempt_key[: r.attempt_key.rindex(".") + 1] + "A" * 43
+        response = raw(gateway.url, method, path, forged, json=body)
+        assert response.status_code == 401, (method, path, response.text)
+        assert error_message(response) == "invalid token"
+
+
+# -- tokens never reach the log ------------------------------------------------------
+
+
+@contextmanager
+def logged_gateway(run_dir: Path, log_path: Path, **options: object) -> Iterator[GatewayProcess]:
+    port = free_port()
+    args = [f"port={port}", f"run_dir={run_dir}", *(f"{k}={v}" for k, v in options.items())]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "agl.gateway", *args],
+            env={**os.environ, "AGL_ADMIN_TOKEN": SECRET},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    gateway = GatewayProcess(f"http://127.0.0.1:{port}", SECRET, run_dir, process)
+    try:
+        wait_healthy(f"{gateway.url}/healthz", process)
+        yield gateway
+    finally:
+        gateway.stop()
+
+
+def test_tokens_never_reach_the_log(tmp_path: Path, upstream: tuple[str, FakeVllm]) -> None:
+    log_path = tmp_path / "gateway.log"
+    with (
+        logged_gateway(tmp_path / "run", log_path, log_level="debug", access_log="true") as gw,
+        GatewayClient(gw.url, gw.token, retries=0) as admin,
+    ):
+        admin.register_models([{"model": "policy", "endpoint": upstream[0], "policy_version": 1}])
+        rid, other = new_id(), new_id()
+        admin.create_rollouts([{"rollout_id": rid}, {"rollout_id": other, "max_attempts": 2}])
+        r = admin.patch_rollout(rid, "running")
+        o = admin.patch_rollout(other, "running")
+        keys = [r.attempt_key, o.attempt_key]
+        key = r.attempt_key
+        for response in (
+            raw(gw.url, "POST", chat_path(rid, 1), key, json=CHAT),
+            raw(gw.url, "POST", chat_path(rid, 1), key, json={**CHAT, "stream": True}),
+            raw(gw.url, "POST", events_path(rid, 1), key, json=REWARD),
+            raw(gw.url, "GET", f"/api/rollouts/{rid}", key),
+            raw(gw.url, "POST", chat_path(rid, 1), key, content=b"{broken"),  # 4xx paths too
+            raw(gw.url, "POST", chat_path(other, 1), key, json=CHAT),
+            raw(gw.url, "GET", "/api/rollouts", key),
+            raw(gw.url, "GET", "/api/rollouts", "agl-" + key[4:-3] + "xyz"),
+            raw(gw.url, "GET", "/api/rollouts", SECRET[::-1]),
+        ):
+            assert response.status_code < 500, response.text
+        admin.patch_rollout(other, "failed")
+        admin.patch_rollout(other, "queuing")
+        keys.append(admin.patch_rollout(other, "running").attempt_key)
+        admin.list_rollouts()
+        raw(gw.url, "PATCH", f"/api/rollouts/{rid}/attempt/1", key, json={"status": "succeeded"})
+    text = log_path.read_text(errors="replace")
+    # The log is on: access lines for the agent's calls and the refused ones are there.
+    assert f'"POST /proxy/rollout/{rid}/attempt/1/' in text, text[-2000:]
+    assert '"GET /api/rollouts HTTP/1.1" 401' in text, text[-2000:]
+    secrets_ = [SECRET, SECRET[::-1], *keys]
+    secrets_ += [k.rpartition(".")[2] for k in keys]  # the HMAC part alone
+    for secret in secrets_:
+        assert secret not in text, f"a token is in the gateway's log: {secret[:8]}..."
+    assert "Bearer" not in text and "authorization" not in text.lower()
+
+
+# -- refusing to bind a network without a secret ------------------------------------
+
+
+def start_gateway(
+    tmp_path: Path, *args: str, token: str | None = None, timeout_s: float = 30
+) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if k != "AGL_ADMIN_TOKEN"}
+    if token is not None:
+        env["AGL_ADMIN_TOKEN"] = token
+    return subprocess.Popen(
+        [sys.executable, "-m", "agl.gateway", f"run_dir={tmp_path / 'run'}", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def refused(process: subprocess.Popen[bytes]) -> str:
+    stdout, stderr = process.communicate(timeout=30)
+    lines = stderr.decode().splitlines()
+    assert process.returncode == 2, (process.returncode, stderr.decode())
+    assert len(lines) == 1 and lines[0].startswith("agl.gateway: "), stderr.decode()
+    assert stdout == b""
+    return lines[0]
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.23", "10.0.0.1", "gateway.lan"])
+def test_a_network_host_without_a_secret_is_refused(tmp_path: Path, host: str) -> None:
+    line = refused(start_gateway(tmp_path, f"host={host}", f"port={free_port()}"))
+    assert host in line and "AGL_ADMIN_TOKEN" in line and "admin_token_file" in line
+    assert not (tmp_path / "run" / "gateway.db").exists()  # refused before anything opened
+
+
+def test_the_self_made_token_or_a_short_one_is_no_secret(tmp_path: Path) -> None:
+    # A token the gateway made itself at an earlier, loopback start does not count.
+    port = free_port()
+    first = start_gateway(tmp_path, f"port={port}")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/healthz", first)
+    finally:
+        first.terminate()
+        first.wait(timeout=10)
+    assert (tmp_path / "run" / "admin_token").exists()
+    line = refused(start_gateway(tmp_path, "host=0.0.0.0", f"port={free_port()}"))
+    assert "without a secret configured" in line
+    # A configured but weak one neither.
+    line = refused(start_gateway(tmp_path, "host=0.0.0.0", f"port={free_port()}", token="pw-1234"))
+    assert "fewer than 16" in line and "pw-1234" not in line  # never echoed
+    # An unreadable token file: one line too.
+    missing = tmp_path / "nope"
+    line = refused(start_gateway(tmp_path, "host=0.0.0.0", f"admin_token_file={missing}"))
+    assert "admin_token_file" in line
+
+
+def test_the_k8s_command_with_its_secret_starts(tmp_path: Path) -> None:
+    """deploy/k8s/gateway.yaml's command (host=0.0.0.0) with AGL_ADMIN_TOKEN set, as its
+    Secret sets it; only port and run_dir are moved to where a test may write."""
+    docs = yaml.safe_load_all((REPO / "deploy/k8s/gateway.yaml").read_text())
+    (deployment,) = [d for d in docs if d and d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    command = container["command"]
+    assert command[:3] == ["python", "-m", "agl.gateway"] and "host=0.0.0.0" in command
+    assert container["env"][0]["name"] == "AGL_ADMIN_TOKEN"
+    port = free_port()
+    process = start_gateway(
+        tmp_path, *command[3:], f"port={port}", f"run_dir={tmp_path}", token=SECRET * 2
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/healthz", process)
+        listed = raw(f"http://127.0.0.1:{port}", "GET", "/api/rollouts", SECRET * 2)
+        assert listed.status_code == 200, listed.text
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def test_a_token_file_is_a_secret(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(SECRET + "\n")
+    port = free_port()
+    process = start_gateway(
+        tmp_path, "host=0.0.0.0", f"port={port}", f"admin_token_file={token_file}"
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/healthz", process)
+        url = f"http://127.0.0.1:{port}"
+        assert raw(url, "GET", "/api/rollouts", SECRET).status_code == 200
+        assert raw(url, "GET", "/api/rollouts", "something-else-entirely").status_code == 401
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_the_trainers_child_gateway_starts(tmp_path: Path, host: str) -> None:
+    """``python -m agl.train`` starts its gateway as a ChildGateway: on loopback by
+    default, and with ``gateway.host=0.0.0.0`` too (it hands the child its token)."""
+    child = ChildGateway(tmp_path / "gateway", host=host).start()
+    try:
+        assert child.url.startswith("http://127.0.0.1:")
+        assert raw(child.url, "GET", "/api/rollouts", child.token).status_code == 200
+    finally:
+        child.stop()
+
+
+def test_what_counts_as_loopback() -> None:
+    for host in ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost"):
+        assert is_loopback(host), host
+    for host in ("0.0.0.0", "::", "", "192.168.1.2", "fe80::1", "gateway", "localhost.evil"):
+        assert not is_loopback(host), host
+
+
+# -- rate limit ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tight(
+    tmp_path_factory: pytest.TempPathFactory, upstream: tuple[str, FakeVllm]
+) -> Iterator[GatewayProcess]:
+    """A gateway with a low per-attempt limit (5/s, burst 10) and a 10 KiB body limit."""
+    run_dir = tmp_path_factory.mktemp("tight")
+    options = {"attempt_rps": 5, "attempt_burst": 10, "max_body_mb": 0.01}
+    with (
+        gateway_process(run_dir, token=SECRET, **options) as gw,
+        GatewayClient(gw.url, gw.token) as client,
+    ):
+        client.register_models([{"model": "policy", "endpoint": upstream[0], "policy_version": 1}])
+        yield gw
+
+
+def start(gw: GatewayProcess, **spec: object) -> Rollout:
+    with GatewayClient(gw.url, gw.token, retries=0) as admin:
+        rid = new_id()
+        admin.create_rollouts([{"rollout_id": rid, **spec}])
+        return admin.patch_rollout(rid, "running")
+
+
+def test_one_runaway_attempt_cannot_starve_the_others(tight: GatewayProcess) -> None:
+    runaway, calm = start(tight), start(tight)
+
+    async def flood() -> tuple[list[httpx.Response], list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=tight.url, timeout=30) as http:
+
+            def call(r: Rollout, n: int) -> object:
+                headers = {"Authorization": f"Bearer {r.attempt_key}"}
+                if n % 2:
+                    return http.post(chat_path(r.rollout_id, 1), json=CHAT, headers=headers)
+                event = {**REWARD, "event_id": f"e{n}"}
+                return http.post(events_path(r.rollout_id, 1), json=event, headers=headers)
+
+            storm = [call(runaway, n) for n in range(120)]
+            steady = [call(calm, n) for n in range(8)]  # within its own burst
+            answers = await asyncio.gather(*storm, *steady)
+            return list(answers[:120]), list(answers[120:])
+
+    started = time.monotonic()
+    storm, steady = asyncio.run(flood())
+    elapsed = time.monotonic() - started
+    statuses = [r.status_code for r in storm]
+    assert set(statuses) <= {200, 429}, statuses
+    # The burst, and what refilled (5/s) while the storm lasted.
+    assert 10 <= statuses.count(200) <= 11 + 5 * elapsed, (elapsed, statuses)
+    assert statuses.count(429) >= 50, statuses
+    assert [r.status_code for r in steady] == [200] * 8, [r.text for r in steady]
+    limited = next(r for r in storm if r.status_code == 429)
+    assert "too many calls" in error_message(limited)
+    assert limited.json()["error"]["type"] == "rate_limit_error"
+    assert int(limited.headers["Retry-After"]) >= 1
+    assert 0 < int(limited.headers["retry-after-ms"]) <= 1000
+    # The admin is never limited.
+    for _ in range(60):
+        assert raw(tight.url, "GET", f"/api/rollouts/{runaway.rollout_id}", SECRET).is_success
+    # After the wait it asked for, the runaway may call again.
+    time.sleep(int(limited.headers["retry-after-ms"]) / 1000 + 0.05)
+    again = raw(
+        tight.url, "POST", events_path(runaway.rollout_id, 1), runaway.attempt_key, json=REWARD
+    )
+    assert again.status_code == 200, again.text
+
+
+def test_the_client_waits_out_a_429(tight: GatewayProcess) -> None:
+    r = start(tight)
+    key = r.attempt_key or ""
+    with GatewayClient(tight.url, key, retries=0) as impatient:
+        with pytest.raises(GatewayError) as limited:
+            for _ in range(40):  # the burst of 10, and a few that refilled meanwhile
+                impatient.get_rollout(r.rollout_id)
+        assert limited.value.status == 429 and "retry in" in limited.value.message
+    with GatewayClient(tight.url, key, retries=5) as patient:
+        started = time.monotonic()
+        for _ in range(3):  # each one waits for the bucket's next token (1/5 s)
+            patient.post_reward(r.rollout_id, 1, 1.0)
+        assert time.monotonic() - started >= 0.3
+
+
+def test_buckets_are_bounded_and_expire() -> None:
+    now = [0.0]
+    limit = AttemptRateLimit(rate=50, burst=100, max_buckets=1000, clock=lambda: now[0])
+    for i in range(5000):  # a flood of distinct attempts at one instant
+        assert limit.take((f"r{i}", 1)) == 0.0
+        assert len(limit) <= 1000
+    for _ in range(100):
+        assert limit.take(("hot", 1)) == 0.0
+    assert limit.take(("hot", 1)) == pytest.approx(1 / 50)
+    now[0] = 1.0  # half the refill time: nobody has refilled yet
+    limit.take(("hot", 1))
+    assert len(limit) == 1000
+    now[0] = 10.0  # everyone idle has refilled: their buckets go on the next call
+    limit.take(("new", 1))
+    assert len(limit) == 1
+    assert AttemptRateLimit(rate=0, burst=1).take(("any", 1)) == 0.0  # attempt_rps=0: off
+
+
+# -- body limit on the agents' routes -------------------------------------------------
+
+
+def test_oversized_bodies_on_the_proxy_and_events_get_413(
+    tight: GatewayProcess, upstream: tuple[str, FakeVllm]
+) -> None:
+    r = start(tight)
+    fake = upstream[1]
+    seen = len(fake.requests)
+    big_chat = {**CHAT, "messages": [{"role": "user", "content": "x" * 20_000}]}
+    big_event = {"type": "log", "data": {"text": "x" * 20_000}}
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"type": "log", "data": {"text": "'
+        for _ in range(20):
+            yield b"x" * 1024
+        yield b'"}}'
+
+    for path, body in (
+        (chat_path(r.rollout_id, 1), big_chat),
+        (events_path(r.rollout_id, 1), big_event),
+    ):
+        response = raw(tight.url, "POST", path, r.attempt_key, json=body)
+        assert response.status_code == 413, (path, response.text)
+        assert "limit" in error_message(response)
+        streamed = raw(tight.url, "POST", path, r.attempt_key, content=chunks())
+        assert streamed.status_code == 413, (path, streamed.text)
+    assert len(fake.requests) == seen  # nothing went upstream
+    with GatewayClient(tight.url, SECRET) as admin:
+        assert admin.get_events(r.rollout_id) == []
+    small = raw(tight.url, "POST", events_path(r.rollout_id, 1), r.attempt_key, json=REWARD)
+    assert small.status_code == 200, small.text
