@@ -180,7 +180,8 @@ def run(seconds: float, concurrency: list[int], with_reference: bool) -> None:
     with (
         tempfile.TemporaryDirectory() as tmp,
         fake_upstream() as (upstream, upstream_pid),
-        gateway_process(Path(tmp) / "agl") as gw,
+        # Each load loop drives one attempt key flat out: the per-attempt limit off.
+        gateway_process(Path(tmp) / "agl", attempt_rps=0) as gw,
         contextlib.ExitStack() as stack,
     ):
         chat, events = agl_targets(gw.url, gw.token, upstream, gw.process.pid, agents)
