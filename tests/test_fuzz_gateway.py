@@ -23,6 +23,7 @@ from schemathesis.checks import not_a_server_error, response_schema_conformance
 
 from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.gateway import EVENTS, PROXY_CHAT
+from agl.core.records import MAX_JSON_DEPTH
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess
 
@@ -165,12 +166,6 @@ def hoist_defs(raw: dict[str, Any]) -> dict[str, Any]:
     return rewrite(raw)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway.py _body() embeds pydantic's json_schema() with '#/$defs/...' refs, "
-    "which an OpenAPI document resolves from its root: the bodies of POST /api/rollouts, "
-    "PATCH /api/rollouts/{id}[/attempt/{n}], POST /api/models and POST .../events dangle",
-)
 def test_openapi_refs_resolve(gateway: GatewayProcess) -> None:
     raw = httpx.get(f"{gateway.url}/openapi.json", timeout=TIMEOUT_S).json()
     assert dangling_refs(raw) == []
@@ -189,12 +184,6 @@ def api_schema(gateway: GatewayProcess, target: Target) -> Any:
     )
     schema = schemathesis.openapi.from_dict(raw)
     schema.config.update(base_url=gateway.url, request_timeout=TIMEOUT_S)
-
-    @schema.hook
-    def map_body(context: Any, body: Any) -> Any:
-        # Integers past 64 bits 500 today (test_known_bug_*): keep them out of the random
-        # bodies so that the fuzzing looks for anything else.
-        return clamp_ints(body)
 
     @schema.hook
     def flatmap_path_parameters(context: Any, path_parameters: dict[str, Any] | None) -> Any:
@@ -248,19 +237,7 @@ def test_schema_conformance(case: Any, target: Target) -> None:
 
 # -- 2. hypothesis-made chat calls and event bodies ----------------------------------------
 
-INT64 = (-(2**63), 2**63 - 1)
-
-
-def clamp_ints(value: Any) -> Any:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return value if INT64[0] <= value <= INT64[1] else 0
-    if isinstance(value, dict):
-        return {k: clamp_ints(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [clamp_ints(v) for v in value]
-    return value
+INT64 = (-(2**63), 2**63 - 1)  # wider ones are refused (a test below): keep fuzzing the rest
 
 
 texts = st.one_of(
@@ -467,71 +444,46 @@ def _post(target: Target, path: str, body: bytes, token: str) -> httpx.Response:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="int past 64 bits in a rollout's input: orjson.dumps "
-    "raises in the store, FastAPI answers a plain-text 500 and drops the connection",
-)
-def test_known_bug_rollout_input_bigint_is_4xx(target: Target) -> None:
+def test_an_integer_past_64_bits_is_refused_not_a_500(target: Target) -> None:
+    """The store could not write it back (it used to 500 and drop the connection)."""
     body = b'[{"rollout_id":"fz-bigint","input":[18446744073709551616]}]'
     response = _post(target, "/api/rollouts", body, target.gateway.token)
-    assert response.status_code < 500, response.text
-
-
-@pytest.mark.xfail(
-    strict=True, reason="int past 64 bits in an event's data: orjson.dumps raises in the store, 500"
-)
-def test_known_bug_event_data_bigint_is_4xx(target: Target) -> None:
+    assert response.status_code == 422 and "64 bits" in response.text, response.text
     live = target.fresh()
     path = EVENTS.format(rollout_id=live.rollout_id, attempt=live.attempt)
     response = _post(target, path, b'{"type":"t","data":18446744073709551616}', live.key)
-    assert response.status_code < 500, response.text
+    assert response.status_code == 422 and "64 bits" in response.text, response.text
+
+
+def test_nan_in_event_data_is_refused_not_stored_as_null(target: Target) -> None:
+    live = target.fresh()
+    path = EVENTS.format(rollout_id=live.rollout_id, attempt=live.attempt)
+    for bad in (b'{"type":"t","data":NaN}', b'{"type":"t","data":[1e400]}'):
+        response = _post(target, path, bad, live.key)
+        assert 400 <= response.status_code < 500, response.text
 
 
 def nested(depth: int) -> bytes:
     return b'{"messages":[{"role":"user","content":"hi","x":' + b"[" * depth + b"]" * depth + b"}]}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proxy: orjson.loads takes 1024 levels, orjson.dumps "
-    "254; a chat body nested 253+ deep passes the parse and 500s on forwarding",
-)
-def test_known_bug_proxy_deep_nesting_is_4xx(target: Target) -> None:
+def test_a_chat_body_nested_too_deep_is_refused_and_its_rollout_still_reads(
+    target: Target,
+) -> None:
+    """orjson reads 1024 levels and writes 254: a call nested ~250 deep used to be
+    recorded, then made its rollout's events unreadable (500) for good."""
     live = target.fresh()
     path = PROXY_CHAT.format(rollout_id=live.rollout_id, attempt=live.attempt, mode=live.mode)
-    response = _post(target, path, nested(300), live.key)
-    assert response.status_code < 500, response.text
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="a chat call nested 250 deep is answered and recorded, "
-    "but its event is then too deep for the GET events answer: that rollout's "
-    "events 500 for good",
-)
-def test_known_bug_recorded_deep_call_poisons_get_events(target: Target) -> None:
-    live = target.fresh()
-    path = PROXY_CHAT.format(rollout_id=live.rollout_id, attempt=live.attempt, mode=live.mode)
-    assert _post(target, path, nested(250), live.key).status_code == 200
+    for depth in (MAX_JSON_DEPTH, 250, 300):
+        response = _post(target, path, nested(depth), live.key)
+        assert response.status_code == 400 and "deeper" in response.text, response.text
+    assert _post(target, path, nested(MAX_JSON_DEPTH - 8), live.key).status_code == 200
     response = httpx.get(
         f"{target.gateway.url}/api/rollouts/{live.rollout_id}/events",
         headers={"Authorization": f"Bearer {target.gateway.token}"},
         timeout=TIMEOUT_S,
     )
     assert response.status_code == 200, response.text
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="NaN / Infinity are not JSON, yet an event's data "
-    "accepts them (pydantic's parser) and stores them as null",
-)
-def test_known_bug_event_data_nan_is_refused(target: Target) -> None:
-    live = target.fresh()
-    path = EVENTS.format(rollout_id=live.rollout_id, attempt=live.attempt)
-    response = _post(target, path, b'{"type":"t","data":NaN}', live.key)
-    assert response.status_code == 422, response.text
 
 
 def test_fake_endpoint_answers_400_to_malformed_messages(target: Target) -> None:

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -523,6 +524,19 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
             await store.close()
 
     app = FastAPI(title="agl gateway", lifespan=lifespan)
+    definitions: dict[str, Any] = {}  # the request bodies' models, for components.schemas
+
+    def body(adapter: TypeAdapter[Any]) -> dict[str, Any]:
+        return _body(adapter, definitions)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     def gw() -> Gateway:
         return holder["gateway"]
@@ -545,7 +559,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
 
     # -- rollouts ------------------------------------------------------------------
 
-    @app.post("/api/rollouts", openapi_extra=_body(_SPECS))
+    @app.post("/api/rollouts", openapi_extra=body(_SPECS))
     async def create_rollouts(request: Request) -> Response:
         g = gw()
         g.admin(request)
@@ -585,13 +599,13 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
             raise ApiError(403, f"this key is not valid for rollout {rollout_id!r}")
         return _json(g.rollout_json(rollout, principal.admin))
 
-    @app.patch("/api/rollouts/{rollout_id}", openapi_extra=_body(_PATCH))
+    @app.patch("/api/rollouts/{rollout_id}", openapi_extra=body(_PATCH))
     async def patch_rollout(request: Request, rollout_id: str) -> Response:
         g = gw()
         g.admin(request)
         return await g.patch(rollout_id, _parse(_PATCH, await request.body()), admin=True)
 
-    @app.patch("/api/rollouts/{rollout_id}/attempt/{attempt}", openapi_extra=_body(_PATCH))
+    @app.patch("/api/rollouts/{rollout_id}/attempt/{attempt}", openapi_extra=body(_PATCH))
     async def patch_attempt(request: Request, rollout_id: str, attempt: int) -> Response:
         g = gw()
         principal = g.for_attempt(request, rollout_id, attempt)
@@ -629,7 +643,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
 
     # -- models and admission ------------------------------------------------------
 
-    @app.post("/api/models", openapi_extra=_body(_MODELS))
+    @app.post("/api/models", openapi_extra=body(_MODELS))
     async def post_models(request: Request) -> Response:
         g = gw()
         g.admin(request)
@@ -652,7 +666,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         g.proxy.router.load(await g.store.list_models())
         return _json({"deleted": deleted})
 
-    @app.post("/api/admission", openapi_extra=_body(_ADMISSION))
+    @app.post("/api/admission", openapi_extra=body(_ADMISSION))
     async def post_admission(request: Request) -> Response:
         g = gw()
         g.admin(request)
@@ -676,7 +690,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
     async def proxy_chat(request: Request, rollout_id: str, attempt: int, mode: str) -> Response:
         return await gw().proxy_chat(request, rollout_id, attempt, mode)
 
-    @app.post(EVENTS, openapi_extra=_body(_EVENTS))
+    @app.post(EVENTS, openapi_extra=body(_EVENTS))
     async def post_events(request: Request, rollout_id: str, attempt: int) -> Response:
         return await gw().post_events(request, rollout_id, attempt)
 
@@ -710,6 +724,9 @@ def _cursor(cursor: str | None) -> int:
     return int(cursor)
 
 
-def _body(adapter: TypeAdapter[Any]) -> dict[str, Any]:
-    schema = adapter.json_schema()
+def _body(adapter: TypeAdapter[Any], definitions: dict[str, Any]) -> dict[str, Any]:
+    """A request body for OpenAPI: the models it refers to go to ``definitions`` (the
+    document's ``components.schemas``), where its references point."""
+    schema = adapter.json_schema(ref_template="#/components/schemas/{model}")
+    definitions.update(schema.pop("$defs", {}))
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

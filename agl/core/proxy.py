@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from agl.core.admission import AdmissionGate, Ticket
 from agl.core.errors import ApiError, error_response
-from agl.core.records import EventIn, ModelEndpoint
+from agl.core.records import EventIn, ModelEndpoint, storable
 from agl.core.store import Store
 from agl.core.upstream import Upstream, UpstreamUnavailable
 
@@ -125,6 +125,10 @@ class RecordingProxy:
             raise ApiError(400, f"request body is not valid JSON: {error}") from None
         if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
             raise ApiError(400, "a chat completion needs a JSON object with a 'messages' list")
+        try:
+            storable(request)  # it is recorded, and must read back
+        except ValueError as error:
+            raise ApiError(400, f"request body: {error}") from None
         # The endpoint (and so the policy_version recorded) is chosen only once admitted:
         # a call that waited through a weight update goes to the new weights.
         ticket = await self.gate.enter()

@@ -6,10 +6,11 @@ the client parses answers into them, so the two cannot drift apart.
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 
 class Status(StrEnum):
@@ -34,6 +35,35 @@ Mode = Literal["train", "val"]
 
 _ID_PATTERN = r"^[A-Za-z0-9._:\-]{1,200}$"
 
+# What a caller's JSON may nest: what is stored is written back inside a few more levels
+# (a page of events), and orjson writes at most 254.
+MAX_JSON_DEPTH = 64
+_INT_RANGE = (-(2**63), 2**64)  # what orjson can write back
+
+
+def storable(value: Any) -> Any:
+    """``value`` if the store can keep it exactly as sent and give it back, else
+    ValueError saying why: nesting deeper than ``MAX_JSON_DEPTH``, an integer past 64
+    bits, a NaN or infinite number (not JSON; it would come back as null)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+        elif isinstance(item, bool):
+            continue
+        elif isinstance(item, int) and not _INT_RANGE[0] <= item < _INT_RANGE[1]:
+            raise ValueError("an integer does not fit in 64 bits")
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise ValueError("NaN and infinite numbers are not JSON")
+    return value
+
+
+StorableJson = Annotated[Any, AfterValidator(storable)]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -44,11 +74,11 @@ class RolloutSpec(_Strict):
 
     rollout_id: str = Field(pattern=_ID_PATTERN)
     group_id: str = Field(default="", max_length=200)
-    input: Any = None
+    input: StorableJson = None
     mode: Mode = "train"
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: Annotated[dict[str, Any], AfterValidator(storable)] = Field(default_factory=dict)
     max_attempts: int = Field(default=1, ge=1, le=100)
-    timeout_s: float | None = Field(default=None, gt=0)
+    timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class Rollout(BaseModel):
@@ -78,14 +108,14 @@ class StatusPatch(_Strict):
     """
 
     status: Status
-    attempt: int | None = Field(default=None, ge=1)
+    attempt: int | None = Field(default=None, ge=1, le=1_000)
     error: str | None = Field(default=None, max_length=10_000)
 
 
 class EventIn(_Strict):
     event_id: str | None = Field(default=None, pattern=_ID_PATTERN)
     type: str = Field(min_length=1, max_length=100)
-    data: Any = None
+    data: StorableJson = None
 
 
 class Event(BaseModel):
@@ -101,12 +131,12 @@ class Event(BaseModel):
 class ModelEndpoint(_Strict):
     model: str = Field(min_length=1, max_length=200)
     endpoint: str = Field(pattern=r"^https?://.+/v1/?$")
-    policy_version: int = 0
+    policy_version: int = Field(default=0, ge=0, lt=2**63)
 
 
 class AdmissionIn(_Strict):
     state: Literal["paused", "running"]
-    timeout_s: float | None = Field(default=None, gt=0)
+    timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class Admission(BaseModel):
