@@ -12,6 +12,7 @@ Failures and delays are injected through attributes (in process) or ``POST /cont
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 import threading
 import time
@@ -66,6 +67,7 @@ class FakeVllm:
     def __init__(self, model: str = "fake-model") -> None:
         self.model = model
         self.fail_next: list[int] = []
+        self.fail_rate = 0.0  # this share of calls, at random, answer 500
         self.delay_s = 0.0
         self.stream_break_after: int | None = None
         self.chunk_delay_s = 0.0
@@ -83,6 +85,7 @@ class FakeVllm:
         body = await request.json()
         self.fail_next = list(body.get("fail_next", self.fail_next))
         self.delay_s = float(body.get("delay_s", self.delay_s))
+        self.fail_rate = float(body.get("fail_rate", self.fail_rate))
         return web.json_response({"ok": True})
 
     def _answer(self, body: dict[str, Any]) -> _Answer:
@@ -113,6 +116,8 @@ class FakeVllm:
         if not isinstance(body, dict):
             return _bad_request("body must be a JSON object")
         self.requests.append(body)
+        if self.fail_rate and random.random() < self.fail_rate:
+            self.fail_next.insert(0, 500)
         if self.fail_next:
             status = self.fail_next.pop(0)
             return web.json_response(
@@ -309,8 +314,10 @@ def serve_in_thread(
 
 def main(argv: list[str]) -> None:
     options = dict(arg.split("=", 1) for arg in argv)
+    fake = FakeVllm()
+    fake.fail_rate = float(options.get("fail_rate", "0"))
     web.run_app(
-        FakeVllm().app,
+        fake.app,
         host=options.get("host", "127.0.0.1"),
         port=int(options.get("port", "8001")),
         access_log=None,
