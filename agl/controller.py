@@ -15,7 +15,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agl.core.cli import parse_or_exit
 
@@ -68,38 +68,30 @@ class ControllerConfig:
 
 def build_executor(config: ControllerConfig) -> Executor:
     """The executor the options describe; ValueError (one line) if they are wrong."""
-    if config.executor == "local":
-        from agl.backends.execution.local import LocalExecutor, LocalExecutorConfig
+    from agl.backends.execution import make_executor
 
-        return LocalExecutor(
-            LocalExecutorConfig(
-                harness=config.harness,
-                run_dir=Path(config.run_dir),
-                workers=config.workers,
-                concurrency=config.concurrency,
-            )
-        )
-    try:
-        from agl.backends.execution.k8s import EgressConfig, K8sExecutor, K8sExecutorConfig
-    except ImportError as error:
-        raise ValueError(f"executor=k8s needs: pip install 'agl[k8s]' ({error.name})") from None
-    return K8sExecutor(
-        K8sExecutorConfig(
-            template=config.template,
-            namespace=config.namespace,
-            kubeconfig=config.kubeconfig or None,
-            instance=config.instance,
-            agent_gateway_url=config.agent_gateway_url or config.gateway_url,
-            max_jobs=config.max_jobs,
-            create_qps=config.create_qps,
-            create_burst=config.create_burst,
-            relist_s=config.relist_s,
-            ttl_after_finished_s=config.ttl_after_finished_s,
-            egress=EgressConfig(
-                enabled=config.egress,
-                allow=[c.strip() for c in config.egress_allow.split(",") if c.strip()],
-            ),
-        )
+    if config.executor == "local":
+        settings: dict[str, Any] = {"workers": config.workers, "concurrency": config.concurrency}
+    else:
+        allow = [c.strip() for c in config.egress_allow.split(",") if c.strip()]
+        settings = {
+            "template": config.template,
+            "namespace": config.namespace,
+            "kubeconfig": config.kubeconfig or None,
+            "instance": config.instance,
+            "max_jobs": config.max_jobs,
+            "create_qps": config.create_qps,
+            "create_burst": config.create_burst,
+            "relist_s": config.relist_s,
+            "ttl_after_finished_s": config.ttl_after_finished_s,
+            "egress": {"enabled": config.egress, "allow": allow},
+        }
+    return make_executor(
+        config.executor,
+        settings,
+        harness=config.harness,
+        run_dir=Path(config.run_dir),
+        agent_gateway_url=config.agent_gateway_url or config.gateway_url,
     )
 
 

@@ -266,29 +266,24 @@ def _executor(
     options: dict[str, Any], harness: str, run_dir: Path, agent_gateway_url: str
 ) -> Executor:
     """The executor ``controller=...`` names; UserError (one line) if it cannot be had."""
+    from agl.backends.execution import make_executor
+
     settings = {
         k: v
         for k, v in _options(options).items()
         if k not in ("poll_s", "reconcile_s", "agent_gateway_url")
     }
     try:
-        if options["name"] == "k8s":
-            try:
-                from agl.backends.execution.k8s import K8sExecutor, K8sExecutorConfig
-            except ImportError as error:
-                raise UserError(
-                    f"controller=k8s needs: pip install 'agl[k8s]' (no module {error.name!r})"
-                ) from None
-            config = K8sExecutorConfig(agent_gateway_url=agent_gateway_url, **settings)
-            return K8sExecutor(config, base_dir=ROOT)
-        from agl.backends.execution.local import LocalExecutor, LocalExecutorConfig
-
-        return LocalExecutor(
-            LocalExecutorConfig(
-                harness=harness, run_dir=run_dir, extra_pythonpath=[str(ROOT)], **settings
-            )
+        return make_executor(
+            options["name"],
+            settings,
+            harness=harness,
+            run_dir=run_dir,
+            agent_gateway_url=agent_gateway_url,
+            extra_pythonpath=[str(ROOT)],
+            base_dir=ROOT,
         )
-    except (TypeError, ValueError) as error:
+    except ValueError as error:
         raise UserError(f"controller={options['name']}: {error}") from None
 
 
