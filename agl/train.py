@@ -177,6 +177,8 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
         stack.callback(server.close)
         server.start()
         policy = EmbeddedPolicy(TorchBackend(loaded.model, backend_config), server.engine)
+        agent_gateway_url = cfg.controller.get("agent_gateway_url") or gateway.url
+        executor = _executor(options["controller"], cfg.task.harness, run_dir, agent_gateway_url)
         http = fast_http_client(64)
         client = AsyncGatewayClient(gateway.url, gateway.token, timeout_s=120.0, http=http)
         await client.delete_models(loaded.name)  # endpoints of an earlier run in this folder
@@ -187,8 +189,6 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
                 [ModelEndpoint(model=loaded.name, endpoint=server.url, policy_version=version)]
             )
 
-        agent_gateway_url = cfg.controller.get("agent_gateway_url") or gateway.url
-        executor = _executor(options["controller"], cfg.task.harness, run_dir, agent_gateway_url)
         controller = Controller(
             client,
             executor,
@@ -200,6 +200,8 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
         try:
             await executor.start()
         except ValueError as error:
+            await executor.close()
+            await http.aclose()
             raise UserError(str(error)) from None
         controller_task = asyncio.create_task(controller.run(), name="controller")
         tracker = Tracker(
