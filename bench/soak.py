@@ -12,7 +12,8 @@ audited afterwards:
 - calls answered vs calls recorded (``model_request`` events): a recorded call is one an
   agent got an answer for, or one recorded just before the kill whose answer was lost;
 - duplicates: a call id recorded more than once (a retry of a call whose first try was
-  recorded but not answered);
+  recorded but not answered, unless the restarted gateway replayed that answer: counted
+  from its log);
 - events lost: rewards the gateway acknowledged that are not in the store;
 - p50 / p99 latency of a call as the agent saw it (retries included), peak RSS of the
   gateway.
@@ -46,12 +47,13 @@ TOKEN = "soak-admin-token-0123456789"
 
 
 def start_gateway(run_dir: Path, port: int) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "agl.gateway", f"port={port}", f"run_dir={run_dir}"],
-        env={**os.environ, "AGL_ADMIN_TOKEN": TOKEN},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    with (run_dir / "gateway.log").open("ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "agl.gateway", f"port={port}", f"run_dir={run_dir}"],
+            env={**os.environ, "AGL_ADMIN_TOKEN": TOKEN},
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
     wait_healthy(f"http://127.0.0.1:{port}/healthz", process)
     return process
 
@@ -167,6 +169,7 @@ async def soak(args: argparse.Namespace, run_dir: Path, upstream: str) -> dict[s
                     rewards.add(rid)
     gateway.terminate()
     gateway.wait(30)
+    replayed = (run_dir / "gateway.log").read_text().count("replaying answer")
     latencies = sorted(audit.latencies)
     return {
         "made": args.rollouts * args.calls,
@@ -174,6 +177,7 @@ async def soak(args: argparse.Namespace, run_dir: Path, upstream: str) -> dict[s
         "recorded": len(recorded),
         "answered_not_recorded": len(audit.answered - set(recorded)),
         "duplicates": sum(n - 1 for n in recorded.values() if n > 1),
+        "replayed": replayed,
         "events_lost": len(audit.rewards_acked - rewards),
         "p50_ms": statistics.median(latencies) * 1e3,
         "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1e3,
@@ -216,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         f"--fail-rate {args.fail_rate:g}, {time.strftime('%Y-%m-%d')}, 2 CPU cores, one run",
         f"calls made {r['made']}, answered {r['answered']}, recorded {r['recorded']} "
         f"(answered but not recorded: {r['answered_not_recorded']})",
-        f"duplicates {r['duplicates']}, acknowledged events lost {r['events_lost']}",
+        f"duplicates {r['duplicates']} (answers lost at the kill and replayed to the retry: "
+        f"{r['replayed']}), acknowledged events lost {r['events_lost']}",
         f"latency p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms (as agents saw it, retries "
         f"included); agent retries {r['retries']}, calls given up {r['given_up']}",
         f"gateway killed -9 after {r['killed_at']} answered calls; peak gateway RSS "

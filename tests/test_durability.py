@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
+import orjson
+import pytest
 
 from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.records import EventIn
-from agl.testing.fake_vllm import FakeVllm
+from agl.core.services import free_port
+from agl.testing.fake_vllm import FakeVllm, reply_for
 from agl.testing.processes import gateway_process
 
 
@@ -83,3 +87,89 @@ def test_acknowledged_writes_survive_kill_9(run_dir: Path, upstream: tuple[str, 
         some = sorted(acked_calls)[0]
         key = admin.get_rollout(some).attempt_key
         assert GatewayClient(gw.url, key or "").get_rollout(some).rollout_id == some
+
+
+# More than a loopback connection's kernel buffers hold (tcp_wmem allows 4 MiB), so with
+# a harness that does not read, the answer stays inside the gateway until it dies.
+BIG = "x" * (8 << 20)
+
+
+def vllm_answer(content: str, stream: bool) -> bytes:
+    ids = {"token_ids": [100, 101], "logprobs": {"content": []}}
+    if not stream:
+        choice = {"index": 0, "message": {"role": "assistant", "content": content}, **ids}
+        return orjson.dumps(
+            {"id": "c", "choices": [{**choice, "finish_reason": "stop"}], "prompt_token_ids": [1]}
+        )
+    first = {
+        "id": "c",
+        "prompt_token_ids": [1],
+        "choices": [{"index": 0, "delta": {"role": "assistant"}}],
+    }
+    last = {
+        "id": "c",
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": "stop", **ids}],
+    }
+    return (
+        b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in (first, last)) + b"data: [DONE]\n\n"
+    )
+
+
+def post_and_never_read(url: str, path: str, key: str, body: bytes) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
+    sock.connect((host, int(port)))
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+def content_of(response: httpx.Response) -> str:
+    if response.headers["content-type"].startswith("application/json"):
+        return response.json()["choices"][0]["message"]["content"]
+    chunks = [line[6:] for line in response.text.splitlines() if line.startswith("data: {")]
+    return "".join(orjson.loads(c)["choices"][0]["delta"].get("content") or "" for c in chunks)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_an_answer_lost_to_kill_9_is_replayed_to_the_retry(
+    run_dir: Path, upstream: tuple[str, FakeVllm], fake: FakeVllm, stream: bool
+) -> None:
+    """The gateway recorded a call and died before its answer left: the harness's retry
+    of the same request gets the recorded answer (``Idempotent-Replayed``), and the call
+    is recorded once. An identical request to the same process later is a new call."""
+    port = free_port()
+    body = orjson.dumps(
+        {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    )
+    with gateway_process(run_dir, port=port) as gw, GatewayClient(gw.url, gw.token) as admin:
+        admin.register_models([{"model": "policy", "endpoint": upstream[0]}])
+        admin.create_rollouts([{"rollout_id": "r"}])
+        key = admin.patch_rollout("r", "running").attempt_key or ""
+        fake.raw_next = [vllm_answer(BIG, stream)]
+        path = proxy_base_url(gw.url, "r", 1).removeprefix(gw.url) + "/chat/completions"
+        harness = post_and_never_read(gw.url, path, key, body)
+        deadline = time.monotonic() + 30
+        while not admin.get_events("r", type="model_request"):
+            assert time.monotonic() < deadline, "the call was never recorded"
+            time.sleep(0.05)
+        gw.kill()
+        harness.close()
+
+    with gateway_process(run_dir, port=port) as gw, GatewayClient(gw.url, gw.token) as admin:
+        url = gw.url + path
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        retry = httpx.post(url, content=body, headers=headers, timeout=60)
+        assert retry.status_code == 200 and retry.headers.get("idempotent-replayed") == "true"
+        assert content_of(retry) == BIG
+        (call,) = admin.get_events("r", type="model_request")
+        assert call.data["response"] == BIG
+
+        again = httpx.post(url, content=body, headers=headers, timeout=60)
+        assert again.status_code == 200 and "idempotent-replayed" not in again.headers
+        assert content_of(again) == reply_for([{"role": "user", "content": "hi"}])
+        assert len(admin.get_events("r", type="model_request")) == 2

@@ -107,6 +107,22 @@ def test_streaming_reaches_the_harness_and_is_recorded(
     assert (call["finish_reason"], call["response"]) == ("stop", reply_for(MESSAGES))
 
 
+def test_a_long_prompt_streams(
+    gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout], fake: FakeVllm
+) -> None:
+    """vLLM's first chunk carries every prompt token id on one event-stream line: a long
+    agentic prompt makes it megabytes, far past aiohttp's default line limit (128 KiB)."""
+    r = running()
+    messages = [{"role": "user", "content": "x" * 400_000}]
+    stream = agent(gateway, r).chat.completions.create(
+        model="policy", messages=messages, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == reply_for(messages)
+    (call,) = model_requests(admin, r)
+    assert call["prompt_ids"] == prompt_ids(messages)
+
+
 def test_streaming_chunks_arrive_before_the_end(
     gateway: GatewayProcess, running: Callable[..., Rollout]
 ) -> None:

@@ -4,12 +4,21 @@ The forwarded request asks the endpoint for vLLM's ``logprobs`` and ``return_tok
 the answer keeps those for the ``model_request`` event and goes back to the harness as a
 plain OpenAI answer. A call is acknowledged (its last byte sent) only after its event is
 stored, so nothing the harness received is missing from the record.
+
+The bytes sent are stored with the event as a pending answer until all of them are with
+the kernel. When the gateway dies in between, the harness never saw an answer the
+record holds; its retry of the same request (byte-identical, as OpenAI clients resend)
+from the same attempt gets those bytes again from the next gateway process instead of a
+second sample, so the call is recorded once. Within one process an identical request is
+a new call: a harness may sample the same prompt twice on purpose.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+import uuid
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -17,13 +26,15 @@ from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp.http_exceptions import HttpProcessingError
+from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from agl.core.admission import AdmissionGate, Ticket
 from agl.core.errors import ApiError, error_response
 from agl.core.records import EventIn, ModelEndpoint, storable
-from agl.core.store import Store
+from agl.core.store import PendingAnswer, Store
 from agl.core.upstream import Upstream, UpstreamUnavailable
 
 log = logging.getLogger(__name__)
@@ -108,6 +119,7 @@ class CallContext:
     mode: str
     endpoint: ModelEndpoint
     request: dict[str, Any]
+    request_hash: bytes
     started: float
 
 
@@ -117,6 +129,8 @@ class RecordingProxy:
         self.upstream = upstream
         self.gate = gate
         self.router = Router()
+        # Pending answers of another boot belong to a process that died (see the module).
+        self.boot = uuid.uuid4().hex
 
     async def chat(self, rollout_id: str, attempt: int, mode: str, body: bytes) -> Response:
         try:
@@ -129,6 +143,15 @@ class RecordingProxy:
             storable(request)  # it is recorded, and must read back
         except ValueError as error:
             raise ApiError(400, f"request body: {error}") from None
+        request_hash = hashlib.sha256(body).digest()
+        lost = await self.store.claim_answer(rollout_id, attempt, request_hash, self.boot)
+        if lost is not None:
+            log.info(
+                "replaying answer %s of rollout %s: its first sending was lost",
+                lost.answer_id,
+                rollout_id,
+            )
+            return self._replay(rollout_id, attempt, lost)
         # The endpoint (and so the policy_version recorded) is chosen only once admitted:
         # a call that waited through a weight update goes to the new weights.
         ticket = await self.gate.enter()
@@ -140,7 +163,9 @@ class RecordingProxy:
                 "logprobs": True,
                 "return_token_ids": True,
             }
-            call = CallContext(rollout_id, attempt, mode, endpoint, request, time.monotonic())
+            call = CallContext(
+                rollout_id, attempt, mode, endpoint, request, request_hash, time.monotonic()
+            )
             url = endpoint.endpoint.rstrip("/") + "/chat/completions"
             if request.get("stream"):
                 return await self._stream(call, url, orjson.dumps(forwarded), ticket)
@@ -177,9 +202,11 @@ class RecordingProxy:
             return await self._failed(
                 call, 502, f"endpoint answered a malformed completion: {error!r}"
             )
-        await self._record(call, calls)
-        return Response(
-            orjson.dumps(self._for_harness(call, answer)), media_type="application/json"
+        sent = orjson.dumps(self._for_harness(call, answer))
+        answer_id = await self._record(call, calls, sent, stream=False)
+        return _Sent(
+            sent,
+            background=BackgroundTask(self._delivered, call.rollout_id, call.attempt, answer_id),
         )
 
     async def _stream(self, call: CallContext, url: str, body: bytes, ticket: Ticket) -> Response:
@@ -200,11 +227,14 @@ class RecordingProxy:
                 call, upstream.status, _upstream_message(payload), body=payload
             )
 
+        answer_ids: list[str] = []
+
         async def relay() -> AsyncIterator[bytes]:
             choices: dict[int, _Choice] = {}
             prompt_ids: list[int] | None = None
+            sent: list[bytes] = []
             try:
-                async for line in upstream.content:
+                while line := await upstream.content.readline(max_line_length=_MAX_LINE):
                     if not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
@@ -215,12 +245,14 @@ class RecordingProxy:
                         prompt_ids = chunk["prompt_token_ids"]
                     for c in chunk.get("choices") or ():
                         choices.setdefault(c.get("index", 0), _Choice()).add(c)
-                    yield b"data: " + orjson.dumps(self._for_harness(call, chunk)) + b"\n\n"
+                    sent.append(b"data: " + orjson.dumps(self._for_harness(call, chunk)) + b"\n\n")
+                    yield sent[-1]
                 else:
                     raise _StreamBroke("the endpoint's stream ended before [DONE]")
-            except (aiohttp.ClientError, TimeoutError, *_MALFORMED) as error:
+            except (aiohttp.ClientError, HttpProcessingError, TimeoutError, *_MALFORMED) as error:
                 raise _StreamBroke(f"the endpoint's stream broke: {error!r}") from error
-            await self._record(
+            sent.append(b"data: [DONE]\n\n")
+            recorded = await self._record(
                 call,
                 [
                     self._call_data(
@@ -228,17 +260,24 @@ class RecordingProxy:
                     )
                     for _, c in sorted(choices.items())
                 ],
+                b"".join(sent),
+                stream=True,
             )
-            yield b"data: [DONE]\n\n"
+            answer_ids.append(recorded)
+            yield sent[-1]
 
         async def broke(error: _StreamBroke) -> None:
             await self._record_failure(call, 502, str(error))
+
+        async def sent() -> None:
+            if answer_ids:
+                await self._delivered(call.rollout_id, call.attempt, answer_ids[0])
 
         def done() -> None:
             upstream.release()
             ticket.release()
 
-        return _StreamThenClose(relay(), done, broke)
+        return _StreamThenClose(relay(), done, broke, sent)
 
     def _for_harness(self, call: CallContext, answer: dict[str, Any]) -> dict[str, Any]:
         for key in _EXTRA_TOP:
@@ -285,13 +324,44 @@ class RecordingProxy:
             )
         return data
 
-    async def _record(self, call: CallContext, calls: list[dict[str, Any]]) -> None:
+    def _replay(self, rollout_id: str, attempt: int, lost: PendingAnswer) -> Response:
+        # The header Stripe-style idempotent APIs use: the harness can tell, a test can count.
+        headers = {"Idempotent-Replayed": "true"}
+        delivered = BackgroundTask(self._delivered, rollout_id, attempt, lost.answer_id)
+        if not lost.stream:
+            return _Sent(lost.body, headers=headers, background=delivered)
+
+        async def once() -> AsyncIterator[bytes]:
+            yield lost.body
+
+        return StreamingResponse(
+            once(),
+            media_type="text/event-stream",
+            headers={**headers, "Cache-Control": "no-cache"},
+            background=delivered,
+        )
+
+    async def _record(
+        self, call: CallContext, calls: list[dict[str, Any]], sent: bytes, stream: bool
+    ) -> str:
+        """Store the call's events with the answer about to be sent; answer its id."""
+        answer_id = uuid.uuid4().hex
         await self.store.append_events(
             call.rollout_id,
             call.attempt,
-            [EventIn.model_construct(event_id=None, type=MODEL_REQUEST, data=d) for d in calls],
+            [
+                EventIn.model_construct(
+                    event_id=answer_id if i == 0 else None, type=MODEL_REQUEST, data=d
+                )
+                for i, d in enumerate(calls)
+            ],
             time.time(),
+            pending=PendingAnswer(answer_id, call.request_hash, self.boot, sent, stream),
         )
+        return answer_id
+
+    async def _delivered(self, rollout_id: str, attempt: int, answer_id: str) -> None:
+        await self.store.answer_delivered(rollout_id, attempt, answer_id)
 
     async def _record_failure(self, call: CallContext, status: int, message: str) -> None:
         data = {
@@ -322,27 +392,52 @@ class _StreamBroke(Exception):
     """The endpoint's stream failed after the harness had part of it."""
 
 
+# One event-stream line may be long: vLLM's first chunk carries every prompt token id,
+# megabytes for a long agentic prompt (aiohttp's default limit is 128 KiB).
+_MAX_LINE = 1 << 30
+
 # What a malformed answer from an endpoint raises while it is read.
 _MALFORMED = (ValueError, KeyError, TypeError, AttributeError)
 
 
+class _Sent(Response):
+    """A JSON answer whose background task runs only once all of it is with the kernel.
+    The empty last message makes the server wait while the connection is paused (a
+    harness not reading a large answer), so an answer still inside this process when it
+    dies stays pending."""
+
+    media_type = "application/json"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        await send({"type": "http.response.body", "body": self.body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if self.background is not None:
+            await self.background()
+
+
 class _StreamThenClose(StreamingResponse):
     """An event stream that runs ``on_close`` once the response is over, whether the
-    body was sent, broke off, or never started. When the endpoint's stream breaks, the
-    failure is recorded and the harness's connection is cut short, so that its client
-    sees an error rather than a clean but truncated answer."""
+    body was sent, broke off, or never started, and ``on_sent`` after its last message
+    (which, like :class:`_Sent`'s, waits out a paused connection). When the endpoint's
+    stream breaks, the failure is recorded and the harness's connection is cut short, so
+    that its client sees an error rather than a clean but truncated answer."""
 
     def __init__(
         self,
         body: AsyncIterator[bytes],
         on_close: Callable[[], None],
         on_broken: Callable[[_StreamBroke], Awaitable[None]],
+        on_sent: Callable[[], Awaitable[None]],
     ) -> None:
         super().__init__(
             body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
         self._on_close = on_close
         self._on_broken = on_broken
+        self._on_sent = on_sent
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -350,6 +445,8 @@ class _StreamThenClose(StreamingResponse):
         except _StreamBroke as error:
             log.warning("%s; cutting the harness's stream short", error)
             await self._on_broken(error)
+        else:
+            await self._on_sent()
         finally:
             self._on_close()
 

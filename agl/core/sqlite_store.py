@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import uuid
+import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,7 +31,7 @@ from agl.core.records import (
     Status,
     StatusPatch,
 )
-from agl.core.store import EventQuery, NotFound, RolloutQuery, Store
+from agl.core.store import EventQuery, NotFound, PendingAnswer, RolloutQuery, Store
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -69,6 +70,18 @@ CREATE TABLE IF NOT EXISTS models (
     policy_version INTEGER NOT NULL,
     PRIMARY KEY (model, endpoint)
 );
+CREATE TABLE IF NOT EXISTS pending_answers (
+    rollout_id TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    answer_id TEXT NOT NULL,
+    request_hash BLOB NOT NULL,
+    boot TEXT NOT NULL,
+    body BLOB NOT NULL,
+    stream INTEGER NOT NULL,
+    PRIMARY KEY (rollout_id, attempt, answer_id)
+);
+CREATE INDEX IF NOT EXISTS pending_by_request
+    ON pending_answers (rollout_id, attempt, request_hash);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
@@ -253,6 +266,9 @@ class SqliteStore(Store):
                     r.rollout_id,
                 ),
             )
+            if r.status is not Status.RUNNING:
+                # Only a running attempt's calls are answered, so nothing will claim these.
+                db.execute("DELETE FROM pending_answers WHERE rollout_id = ?", (r.rollout_id,))
 
     async def expire_running(self, now: float, error: str) -> list[Rollout]:
         rows = self._db.execute(
@@ -277,10 +293,29 @@ class SqliteStore(Store):
     # -- events --------------------------------------------------------------------
 
     async def append_events(
-        self, rollout_id: str, attempt: int, events: Sequence[EventIn], now: float
+        self,
+        rollout_id: str,
+        attempt: int,
+        events: Sequence[EventIn],
+        now: float,
+        pending: PendingAnswer | None = None,
     ) -> list[Event]:
         stored: list[Event] = []
         with self._write() as db:
+            if pending is not None:
+                db.execute(
+                    "INSERT OR IGNORE INTO pending_answers (rollout_id, attempt, answer_id, "
+                    "request_hash, boot, body, stream) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        rollout_id,
+                        attempt,
+                        pending.answer_id,
+                        pending.request_hash,
+                        pending.boot,
+                        zlib.compress(pending.body, 1),
+                        pending.stream,
+                    ),
+                )
             for e in events:
                 event_id = e.event_id or uuid.uuid4().hex
                 data = orjson.dumps(e.data)
@@ -310,6 +345,34 @@ class SqliteStore(Store):
                     stored.append(_event(row))
         await self._durable()
         return stored
+
+    async def claim_answer(
+        self, rollout_id: str, attempt: int, request_hash: bytes, boot: str
+    ) -> PendingAnswer | None:
+        row = self._db.execute(
+            "SELECT answer_id, body, stream FROM pending_answers WHERE rollout_id = ? "
+            "AND attempt = ? AND request_hash = ? AND boot != ? ORDER BY rowid LIMIT 1",
+            (rollout_id, attempt, request_hash, boot),
+        ).fetchone()
+        if row is None:
+            return None
+        with self._write() as db:
+            db.execute(
+                "UPDATE pending_answers SET boot = ? "
+                "WHERE rollout_id = ? AND attempt = ? AND answer_id = ?",
+                (boot, rollout_id, attempt, row[0]),
+            )
+        await self._durable()
+        return PendingAnswer(row[0], request_hash, boot, zlib.decompress(row[1]), bool(row[2]))
+
+    async def answer_delivered(self, rollout_id: str, attempt: int, answer_id: str) -> None:
+        with self._write() as db:
+            db.execute(
+                "DELETE FROM pending_answers "
+                "WHERE rollout_id = ? AND attempt = ? AND answer_id = ?",
+                (rollout_id, attempt, answer_id),
+            )
+        await self._durable()
 
     async def list_events(self, rollout_id: str, query: EventQuery) -> list[Event]:
         where, args = ["rollout_id = ?", "seq > ?"], [rollout_id, query.after]

@@ -7,7 +7,10 @@ PostgreSQL URL) can replace the embedded SQLite file. Contract for every impleme
   request only after the store call returned;
 - creating rollouts and appending events are idempotent by their caller-chosen ids;
 - status changes go through :func:`agl.core.lifecycle.apply_patch` atomically with the
-  read of the current state.
+  read of the current state;
+- a :class:`PendingAnswer` is stored atomically with its call's events and kept until the
+  proxy says it was delivered, another gateway process claims it, or its rollout stops
+  running.
 """
 
 from __future__ import annotations
@@ -49,6 +52,22 @@ class EventQuery:
     limit: int = 1000
 
 
+@dataclass(frozen=True)
+class PendingAnswer:
+    """A proxied call's answer, kept from the moment its call is recorded until it is
+    known to have been sent. A gateway killed in between leaves it behind; the harness's
+    retry of the same request then gets these bytes, and the call is recorded once.
+
+    ``answer_id`` is the first ``model_request`` event's id; ``boot`` names the gateway
+    process that holds the answer (see :meth:`Store.claim_answer`)."""
+
+    answer_id: str
+    request_hash: bytes
+    boot: str
+    body: bytes
+    stream: bool
+
+
 class Store(ABC):
     @abstractmethod
     async def create_rollouts(self, specs: Sequence[RolloutSpec], now: float) -> list[Rollout]:
@@ -71,9 +90,26 @@ class Store(ABC):
 
     @abstractmethod
     async def append_events(
-        self, rollout_id: str, attempt: int, events: Sequence[EventIn], now: float
+        self,
+        rollout_id: str,
+        attempt: int,
+        events: Sequence[EventIn],
+        now: float,
+        pending: PendingAnswer | None = None,
     ) -> list[Event]:
-        """Append events with ids assigned where missing; a known id is not appended again."""
+        """Append events with ids assigned where missing; a known id is not appended again.
+        ``pending`` is stored in the same transaction."""
+
+    @abstractmethod
+    async def claim_answer(
+        self, rollout_id: str, attempt: int, request_hash: bytes, boot: str
+    ) -> PendingAnswer | None:
+        """The oldest pending answer to this request held by a process other than
+        ``boot`` (one that died before sending it), now held by ``boot``; None if none."""
+
+    @abstractmethod
+    async def answer_delivered(self, rollout_id: str, attempt: int, answer_id: str) -> None:
+        """Forget a pending answer: it was sent."""
 
     @abstractmethod
     async def list_events(self, rollout_id: str, query: EventQuery) -> list[Event]: ...

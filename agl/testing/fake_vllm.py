@@ -71,7 +71,8 @@ class FakeVllm:
         self.delay_s = 0.0
         self.stream_break_after: int | None = None
         self.chunk_delay_s = 0.0
-        self.raw_next: list[bytes] = []  # 200 answers with these bodies, verbatim
+        # 200 answers with these bodies, verbatim (an event stream if the call streams)
+        self.raw_next: list[bytes] = []
         self.requests: list[dict[str, Any]] = []
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self.chat)
@@ -125,7 +126,8 @@ class FakeVllm:
                 status=status,
             )
         if self.raw_next:
-            return web.Response(body=self.raw_next.pop(0), content_type="application/json")
+            kind = "text/event-stream" if body.get("stream") else "application/json"
+            return web.Response(body=self.raw_next.pop(0), content_type=kind)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if not isinstance(body.get("messages"), list) or not body["messages"]:
