@@ -5,13 +5,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import openai
 
 from agl.core.client import GatewayClient
 from agl.core.records import Rollout
+from agl.core.services import free_port
 from agl.testing.fake_vllm import FakeVllm, reply_for
-from agl.testing.processes import GatewayProcess
+from agl.testing.processes import GatewayProcess, gateway_process
 from tests.conftest import base_url
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -151,3 +153,28 @@ def test_a_harness_that_hangs_up_mid_stream_leaves_no_call_in_flight(
         assert admin.pause(timeout_s=5).drained
     finally:
         admin.resume()
+
+
+def test_a_restarted_gateway_keeps_admission_paused_until_resumed(
+    tmp_path: Path, upstream: tuple[str, FakeVllm]
+) -> None:
+    """Killed -9 while the trainer updates weights, the gateway comes back paused: calls
+    wait for the trainer's resume, as they would have at the gateway that died."""
+    port = free_port()
+    with gateway_process(tmp_path, port=port) as gw, GatewayClient(gw.url, gw.token) as admin:
+        admin.register_models([{"model": "policy", "endpoint": upstream[0]}])
+        admin.create_rollouts([{"rollout_id": "r"}])
+        r = admin.patch_rollout("r", "running")
+        assert admin.pause().state == "paused"
+        gw.kill()
+    with gateway_process(tmp_path, port=port) as gw, GatewayClient(gw.url, gw.token) as admin:
+        assert admin.admission().state == "paused"
+        out: list = []
+        caller = call_in_thread(gw, r, stream=False, out=out)
+        wait_until(lambda: admin.admission().waiting == 1)
+        resumed = time.monotonic()
+        assert admin.resume().state == "running"
+        caller.join(timeout=30)
+        assert out and out[0][0] == reply_for(MESSAGES) and out[0][1] >= resumed
+    with gateway_process(tmp_path, port=port) as gw, GatewayClient(gw.url, gw.token) as admin:
+        assert admin.admission().state == "running"

@@ -292,6 +292,7 @@ class BodyLimit:
         return f"request body is larger than the limit of {self.max_bytes} bytes"
 
 
+ADMISSION_META = "admission"  # the gate's last requested state, restored at start
 PROXY_CHAT = "/proxy/rollout/{rollout_id}/attempt/{attempt}/mode/{mode}/openai/v1/chat/completions"
 EVENTS = "/api/rollouts/{rollout_id}/attempt/{attempt}/events"
 _PROXY_CHAT = re.compile(
@@ -506,6 +507,10 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         await upstream.start()
         proxy = RecordingProxy(store, upstream, AdmissionGate())
         proxy.router.load(await store.list_models())
+        # A gateway restarted while the trainer updates weights keeps calls out until the
+        # trainer resumes admission, as the one that died did.
+        if await store.get_meta(ADMISSION_META) == "paused":
+            await proxy.gate.pause()
         gateway = Gateway(
             store,
             Keyring(admin_token, bytes.fromhex(secret)),
@@ -671,6 +676,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         g = gw()
         g.admin(request)
         wanted = _parse(_ADMISSION, await request.body())
+        await g.store.set_meta(ADMISSION_META, wanted.state)
         drained = True
         if wanted.state == "paused":
             drained = await g.gate.pause(wanted.timeout_s)

@@ -419,6 +419,11 @@ class SqliteStore(Store):
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else row[0]
 
+    async def set_meta(self, key: str, value: str) -> None:
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+        await self._durable()
+
     async def set_meta_once(self, key: str, value: str) -> str:
         with self._write() as db:
             db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (key, value))

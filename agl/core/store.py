@@ -129,6 +129,9 @@ class Store(ABC):
     async def get_meta(self, key: str) -> str | None: ...
 
     @abstractmethod
+    async def set_meta(self, key: str, value: str) -> None: ...
+
+    @abstractmethod
     async def set_meta_once(self, key: str, value: str) -> str:
         """Store ``value`` unless the key has one already; answer the stored value."""
 
