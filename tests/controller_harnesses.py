@@ -12,6 +12,9 @@ import hashlib
 import sys
 from collections.abc import Mapping
 
+import httpx
+import openai
+
 from agl.agent import AgentContext
 from agl.backends.execution.worker import shared_http
 from agl.core.records import EventIn
@@ -66,9 +69,17 @@ def not_async(env: Mapping[str, str]) -> None:
 
 async def by_input(env: Mapping[str, str]) -> None:
     """One harness for many behaviours, so one worker pool serves a whole test:
-    input ``{"do": "finish" | "none" | "lucky" | "raise" | "hang" | "exit", ...}``."""
+    input ``{"do": "finish" | "none" | "lucky" | "raise" | "hang" | "exit" | "flood" |
+    "calls" | "reward_twice", ...}``."""
     agent = AgentContext.from_env(env)
     do = agent.input.get("do", "finish")
+    if do in ("flood", "calls"):
+        await calls(agent, int(agent.input["n"]), concurrent=do == "flood")
+        return
+    if do == "reward_twice":
+        await agent.finish(reward=0.25, http=shared_http())
+        await agent.finish(reward=1.0, http=shared_http())  # the same event id: a no-op
+        return
     if do in ("finish", "lucky", "none"):
         await _seen(agent)
     await asyncio.sleep(float(agent.input.get("sleep", 0)))
@@ -81,3 +92,31 @@ async def by_input(env: Mapping[str, str]) -> None:
         await hangs(env)
     elif do == "exit":
         await exits_process(env)
+
+
+async def calls(agent: AgentContext, n: int, concurrent: bool) -> None:
+    """``n`` chat calls through the attempt's proxy, all at once (a runaway agent) or one
+    after another; their HTTP statuses are reported as a ``calls`` event."""
+    statuses: list[int] = []
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n), timeout=60) as http:
+        client = openai.AsyncOpenAI(
+            base_url=agent.base_url, api_key=agent.api_key, http_client=http, max_retries=0
+        )
+
+        async def one(i: int) -> None:
+            try:
+                await client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": f"call {i}"}]
+                )
+                statuses.append(200)
+            except openai.APIStatusError as error:
+                statuses.append(error.status_code)
+
+        if concurrent:
+            await asyncio.gather(*(one(i) for i in range(n)))
+        else:
+            for i in range(n):
+                await one(i)
+    event = EventIn(type="calls", data={"statuses": statuses})
+    await agent.client(shared_http()).post_events(agent.rollout_id, agent.attempt, [event])
+    await agent.finish(reward=1.0, http=shared_http())

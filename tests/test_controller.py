@@ -202,6 +202,33 @@ def test_failures_retries_and_stats(gateway: GatewayProcess, tmp_path: Path) -> 
     asyncio.run(main())
 
 
+def test_a_flooding_agent_is_throttled_alone_and_a_reward_counts_once(
+    gateway: GatewayProcess, tmp_path: Path
+) -> None:
+    """Through the controller: one agent fires 400 calls at once at its proxy while
+    another makes 20 in a row; the flooder gets 429s past its burst, the other none. An
+    agent that reports its reward twice has it stored once (the first)."""
+    group = new_group()
+    plan = [{"do": "flood", "n": 400}, {"do": "calls", "n": 20}, {"do": "reward_twice"}]
+
+    async def main() -> None:
+        ex = executor(tmp_path, f"{HARNESSES}:by_input", workers=1)
+        async with running(gateway, ex) as (_, client):
+            await client.create_rollouts(specs(group, plan))
+            flood, polite, twice = await group_final(client, group, len(plan))
+            assert [r.status for r in (flood, polite, twice)] == [Status.SUCCEEDED] * 3
+            (flooded,) = await client.get_events(flood.rollout_id, type="calls")
+            (calm,) = await client.get_events(polite.rollout_id, type="calls")
+            statuses = flooded.data["statuses"]
+            assert set(statuses) == {200, 429} and len(statuses) == 400
+            assert 100 <= statuses.count(200) < 400  # the burst, and what refilled meanwhile
+            assert calm.data["statuses"] == [200] * 20
+            rewards = await client.get_events(twice.rollout_id, type="reward")
+            assert [e.data["value"] for e in rewards] == [0.25]
+
+    asyncio.run(main())
+
+
 def test_killed_worker_attempts_are_retried(gateway: GatewayProcess, tmp_path: Path) -> None:
     group = new_group()
     n = 16

@@ -207,3 +207,47 @@ def test_a_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines()[-1] == (
         f"agl.train: gateway port {port} on 127.0.0.1 is in use"
     )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_run_carries_on_when_its_gateway_is_killed(tmp_path: Path) -> None:
+    """kill -9 of the gateway while agents call through it: the run restarts it on its
+    store, agents and trainer ride out the gap, and every step is trained."""
+    overrides = [o for o in SMALL if not o.startswith("trainer.steps")]
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "agl.train",
+            *overrides,
+            "trainer.steps=3",
+            "trainer.mode=async",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        assert time.monotonic() < deadline, "the run made no step"
+        time.sleep(0.2)
+    (gateway,) = [pid for pid in _descendants(process.pid) if "agl.gateway" in _cmdline(pid)]
+    os.kill(gateway, signal.SIGKILL)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr
+    assert "restarting it on its store" in stderr
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row["step"] for row in steps if "reward/mean" in row] == [1, 2, 3]
+    assert all(row["samples"] > 0 for row in steps if "reward/mean" in row)
+    assert {c["policy_version"] for c in _recorded(tmp_path)} >= {0, 1, 2}
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

@@ -235,6 +235,11 @@ def _reward(value: float) -> EventIn:
     return EventIn(type="reward", data={"value": float(value)})
 
 
+# Backoff doubles from ``backoff_s`` up to 5 s: 8 tries wait ~12 s in all, longer than a
+# gateway takes to come back after a crash (ChildGateway restarts it on its store).
+RETRIES = 8
+
+
 class _Base:
     def __init__(
         self, base_url: str, token: str, timeout_s: float, retries: int, backoff_s: float
@@ -294,7 +299,7 @@ class GatewayClient(_Base):
         base_url: str,
         token: str,
         timeout_s: float = 30.0,
-        retries: int = 5,
+        retries: int = RETRIES,
         backoff_s: float = 0.1,
     ) -> None:
         super().__init__(base_url, token, timeout_s, retries, backoff_s)
@@ -414,7 +419,7 @@ class AsyncGatewayClient(_Base):
         base_url: str,
         token: str,
         timeout_s: float = 30.0,
-        retries: int = 5,
+        retries: int = RETRIES,
         backoff_s: float = 0.1,
         http: httpx.AsyncClient | None = None,
     ) -> None:

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -86,11 +87,16 @@ def connect_host(host: str) -> str:
 
 
 class ChildGateway:
-    """``python -m agl.gateway`` as a child process with a fresh admin token.
+    """``python -m agl.gateway`` as a child process with a fresh admin token, restarted on
+    its store (same port, same token) if it dies: clients retry through the gap, so a
+    run outlives a crashed or killed gateway.
 
     The token (32 random bytes) goes to the child as ``AGL_ADMIN_TOKEN``, which counts as
     a secret configured, so ``gateway.host=0.0.0.0`` (say, for agents on other machines)
     starts as well as the loopback default does."""
+
+    # Seconds between tries to bring a dead gateway back, then give up (the run fails).
+    RESTART_WAITS = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
 
     def __init__(self, run_dir: Path, host: str = "127.0.0.1", port: int = 0) -> None:
         if port and not port_free(host, port):
@@ -100,49 +106,92 @@ class ChildGateway:
         self.port = port or free_port(host)
         self.token = secrets.token_urlsafe(32)
         self.process: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._supervisor: threading.Thread | None = None
 
     @property
     def url(self) -> str:
         return f"http://{connect_host(self.host)}:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> ChildGateway:
+        self._launch(timeout_s)
+        if self._supervisor is None:
+            self._supervisor = threading.Thread(
+                target=self._supervise, name="gateway-supervisor", daemon=True
+            )
+            self._supervisor.start()
+        return self
+
+    def _launch(self, timeout_s: float) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        log_file = open(self.run_dir / "gateway.log", "ab")  # noqa: SIM115 - the child owns it
         args = [f"host={self.host}", f"port={self.port}", f"run_dir={self.run_dir}"]
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "agl.gateway", *args, "log_level=warning"],
-            env={**os.environ, "AGL_ADMIN_TOKEN": self.token},
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            # Its own process group: Ctrl-C reaches only the trainer, which stops the
-            # children in order.
-            process_group=0,
-            preexec_fn=die_with_parent(),
-        )
-        log_file.close()
+        with self._lock:
+            if self._stopping:
+                return
+            with (self.run_dir / "gateway.log").open("ab") as log_file:
+                process = self.process = subprocess.Popen(
+                    [sys.executable, "-m", "agl.gateway", *args, "log_level=warning"],
+                    env={**os.environ, "AGL_ADMIN_TOKEN": self.token},
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    # Its own process group: Ctrl-C reaches only the trainer, which stops
+                    # the children in order.
+                    process_group=0,
+                    preexec_fn=die_with_parent(),
+                )
         deadline = time.monotonic() + timeout_s
-        while True:
-            if self.process.poll() is not None:
+        while not self._stopping:
+            if process.poll() is not None:
                 raise RuntimeError(
-                    f"the gateway exited with code {self.process.returncode} "
+                    f"the gateway exited with code {process.returncode} "
                     f"(see {self.run_dir / 'gateway.log'})"
                 )
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
-                    return self
+                    return
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                self.stop()
+                process.kill()
+                process.wait(timeout=10)
                 raise TimeoutError(f"the gateway was not up after {timeout_s} s")
             time.sleep(0.05)
 
+    def _supervise(self) -> None:
+        while True:
+            process = self.process
+            assert process is not None
+            code = process.wait()
+            if self._stopping or process is not self.process:
+                return
+            log.warning("the gateway exited with code %d; restarting it on its store", code)
+            for wait in self.RESTART_WAITS:
+                time.sleep(wait)
+                if self._stopping:
+                    return
+                try:
+                    self._launch(timeout_s=60.0)
+                except (OSError, RuntimeError, TimeoutError) as error:
+                    log.warning("the gateway did not come back: %s", error)
+                    continue
+                self.restarts += 1
+                log.warning("the gateway is back at %s (restart %d)", self.url, self.restarts)
+                break
+            else:
+                log.error("the gateway did not come back after %d tries", len(self.RESTART_WAITS))
+                return
+
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        with self._lock:
+            self._stopping = True
+            process = self.process
+        if process is None or process.poll() is not None:
             return
-        self.process.terminate()
+        process.terminate()
         try:
-            self.process.wait(timeout=10)
+            process.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
+            process.kill()
+            process.wait(timeout=10)

@@ -38,7 +38,8 @@ from agl.core.client import fast_http_client
 DEFAULT_MODEL = "policy"
 # A call can wait at the gateway's admission gate for a whole training step.
 CALL_TIMEOUT_S = 300.0
-MAX_RETRIES = 2
+# The openai client's backoff (0.5 s doubling): 5 retries ride out a gateway restart.
+MAX_RETRIES = 5
 
 HIGHER = "higher"
 LOWER = "lower"
