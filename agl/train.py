@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from agl.backends.inference.models import LoadedModel
+    from agl.core.assemble import Advantage, MergeStrategy
     from agl.core.controller import Executor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,10 +98,9 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
     from omegaconf import OmegaConf
 
     from agl.backends.inference.embedded import EmbeddedServer
-    from agl.backends.inference.models import ModelUnavailable, default_cache_dir, load_model
+    from agl.backends.inference.models import ModelUnavailable, default_cache_dir
     from agl.backends.training.embedded import EmbeddedPolicy
     from agl.backends.training.torch import TorchBackend, TorchBackendConfig
-    from agl.core.assemble import MergeStrategy
     from agl.core.client import AsyncGatewayClient, fast_http_client
     from agl.core.console import Progress, summary
     from agl.core.controller import Controller
@@ -119,31 +122,18 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
         }
         backend_options["betas"] = tuple(backend_options.get("betas", (0.9, 0.999)))
         backend_config = TorchBackendConfig(**backend_options)
-        merge_fn = get("merge", cfg.merge.name)
-        advantage_fn = get("advantage", cfg.advantage.name)
-        advantage_options = _options(options["advantage"])
+        merge = make_merge(options["merge"])
+        advantage = make_advantage(options["advantage"])
         loss = get("loss", cfg.loss.name)
         task = Task(TaskConfig(**options["task"]), ROOT, seed=cfg.seed)
     except (TypeError, ValueError, KeyError) as error:
         raise UserError(f"bad configuration: {error}") from None
     try:
-        loaded = load_model(
-            cfg.model.name,
-            cache_dir=Path(cfg.model.cache_dir) if cfg.model.get("cache_dir") else None,
-            seed=cfg.model.get("seed", 0),
-        )
+        loaded = load_configured_model(options["model"])
     except (ValueError, ModelUnavailable) as error:
         raise UserError(str(error)) from None
     torch.set_num_threads(cfg.backend.torch_threads)
-    merge = MergeStrategy(
-        merge_fn,
-        _options(options["merge"]),
-        decode=lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=False),
-    )
-
-    def advantage(samples: list[Any], rewards: dict[str, float]) -> list[float]:
-        return advantage_fn(samples, rewards, **advantage_options)
-
+    merge = replace(merge, decode=text_decode(loaded.tokenizer))  # stitch compares texts
     with contextlib.ExitStack() as stack:
         try:
             gateway = ChildGateway(run_dir / "gateway", cfg.gateway.host, cfg.gateway.port)
@@ -300,6 +290,42 @@ async def _until_first_done(main: Any, companion: asyncio.Task[Any]) -> Any:
         await main_task
     error = companion.exception()
     raise RuntimeError(f"the rollout controller stopped: {error!r}")
+
+
+def make_merge(
+    group: dict[str, Any], decode: Callable[[Sequence[int]], str] | None = None
+) -> MergeStrategy:
+    """The merge strategy of a resolved ``merge`` config group, with its options;
+    ``decode`` goes to the strategies that compare texts (stitch). ``agl.runs`` builds a
+    finished run's strategy with this too, so what it explains is what was trained."""
+    from agl.core.assemble import MergeStrategy
+    from agl.core.registry import get
+
+    return MergeStrategy(get("merge", group["name"]), _options(group), decode=decode)
+
+
+def make_advantage(group: dict[str, Any]) -> Advantage:
+    """The advantage function of a resolved ``advantage`` config group, its options bound."""
+    from agl.core.registry import get
+
+    return functools.partial(get("advantage", group["name"]), **_options(group))
+
+
+def load_configured_model(group: dict[str, Any]) -> LoadedModel:
+    """The model of a resolved ``model`` config group (ValueError, ModelUnavailable)."""
+    from agl.backends.inference.models import load_model
+
+    cache_dir = group.get("cache_dir")
+    return load_model(
+        group["name"],
+        cache_dir=Path(cache_dir) if cache_dir else None,
+        seed=group.get("seed", 0),
+    )
+
+
+def text_decode(tokenizer: Any) -> Callable[[Sequence[int]], str]:
+    """The text of token ids as merge strategies compare it: special tokens kept."""
+    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 def _options(group: dict[str, Any]) -> dict[str, Any]:

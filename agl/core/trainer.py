@@ -186,7 +186,7 @@ class Trainer:
     async def _submit_train_batch(self, batch: int) -> None:
         inputs = self.task.train_inputs(batch, self.config.groups_per_step)
         specs = [
-            self._spec(f"t{batch}.{j}.{k}", f"t{batch}.{j}", data, "train")
+            self._spec(f"t{batch}.{j}.{k}", f"t{batch}.{j}", data, "train", {"batch": batch})
             for j, data in enumerate(inputs)
             for k in range(self.config.group_size)
         ]
@@ -194,12 +194,17 @@ class Trainer:
         await self.collector.submit([s for s in specs if s.group_id not in consumed])
         self.state.next_batch = max(self.state.next_batch, batch + 1)
 
-    def _spec(self, rollout_id: str, group_id: str, data: Any, mode: str) -> RolloutSpec:
+    def _spec(
+        self, rollout_id: str, group_id: str, data: Any, mode: str, metadata: dict[str, int]
+    ) -> RolloutSpec:
+        """``metadata`` says which submission batch (train) or step (val) the rollout is
+        of, for the tools that read the store afterwards (``agl.rollouts ls --step``)."""
         return RolloutSpec(
             rollout_id=rollout_id,
             group_id=group_id,
             input=data,
             mode=mode,  # type: ignore[arg-type]
+            metadata=metadata,
             max_attempts=self.config.max_attempts,
             timeout_s=self.config.timeout_s,
         )
@@ -257,7 +262,10 @@ class Trainer:
         started = time.monotonic()
         inputs = self.task.val_inputs(self.config.val_size)
         group = f"v{step}"
-        specs = [self._spec(f"v{step}.{i}", group, data, "val") for i, data in enumerate(inputs)]
+        specs = [
+            self._spec(f"v{step}.{i}", group, data, "val", {"step": step})
+            for i, data in enumerate(inputs)
+        ]
         await self.collector.submit(specs)
         await self.collector.wait(lambda: self.collector.complete_count("val") >= 1)
         (done,) = self.collector.take_complete("val")
