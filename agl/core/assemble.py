@@ -36,6 +36,7 @@ class FinishedRollout:
     reward: float | None
     calls: list[ModelCall]
     error: str | None = None
+    invalid_calls: Mapping[str, int] = field(default_factory=dict)  # reason -> left out
 
     @property
     def usable(self) -> bool:
@@ -104,12 +105,22 @@ def assemble(
         "rollouts/without_calls": float(sum(not r.calls for r in kept)),
         "reward/mean": _mean(list(rewards.values())),
         "calls/per_rollout": calls_total / max(len(kept), 1),
+        **_invalid_metrics(kept),
         "staleness/mean": _mean([float(x) for x in staleness]),
         "staleness/max": float(max(staleness, default=0)),
         "staleness/dropped_calls": dropped / max(calls_total, 1),
         **merge_metrics(per_rollout, calls_total),
     }
     return Batch(samples, advantages, scales, rewards, metrics)
+
+
+def _invalid_metrics(rollouts: Sequence[FinishedRollout]) -> dict[str, float]:
+    """Calls left out as untrainable, in all and by reason (``agl.core.calls``)."""
+    by_reason: dict[str, float] = {}
+    for r in rollouts:
+        for reason, n in r.invalid_calls.items():
+            by_reason[f"calls/invalid/{reason}"] = by_reason.get(f"calls/invalid/{reason}", 0) + n
+    return {"calls/invalid": sum(by_reason.values()), **by_reason}
 
 
 def _scale(sample: Sample, stale: set[int]) -> list[float]:

@@ -1,38 +1,105 @@
-"""From recorded events to the model calls that merging works on."""
+"""From recorded events to the model calls that merging works on.
+
+A recorded call can be unusable: an endpoint that returns no token ids, ids that are not
+token ids, logprobs that do not line up with the response or are not finite, ids that do
+not decode to the text the harness received. :func:`invalid_reason` names what is wrong;
+the proxy stores the reason with the call (``data["invalid"]``) and the trainer leaves
+such calls out, counting them by reason, instead of training on them or crashing.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from agl.core.types import ModelCall
+
+# Token ids above this are not ids of any vocabulary (and overflow int32 tensors).
+MAX_TOKEN_ID = 2**31 - 1
+# A logprob is <= 0; rounding in an engine's float16/32 path may leave it barely above.
+_LOGPROB_SLACK = 1e-3
+
+
+def invalid_reason(data: Mapping[str, Any]) -> str | None:
+    """Why a ``model_request`` event's data cannot be trained on, or None if it can."""
+    for name in ("prompt_ids", "response_ids"):
+        ids = data.get(name)
+        if not ids:
+            return f"no_{name}"
+        if not isinstance(ids, list) or not all(_is_token_id(t) for t in ids):
+            return f"bad_{name}"
+    logprobs = data.get("logprobs")
+    if not isinstance(logprobs, list) or len(logprobs) != len(data["response_ids"]):
+        return "logprobs_length"
+    if not all(_is_logprob(x) for x in logprobs):
+        return "bad_logprobs"
+    version = data.get("policy_version", 0)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        return "bad_policy_version"
+    return None
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
+
+
+def _is_logprob(value: object) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value <= _LOGPROB_SLACK
+    )
+
+
+def text_mismatch(data: Mapping[str, Any], decode: Callable[[list[int]], str]) -> bool:
+    """The response ids do not decode to the text the harness got. Only plain text
+    answers are checked: tool calls and reasoning are parsed out of the decoded text by
+    the server, so their text is legitimately not a substring of it."""
+    text = data.get("response")
+    if not isinstance(text, str) or not text.strip() or data.get("tool_calls"):
+        return False
+    return text.strip() not in decode(data["response_ids"])
+
+
+@dataclass(frozen=True)
+class ReadCalls:
+    calls: list[ModelCall]
+    invalid: Counter[str] = field(default_factory=Counter)  # reason -> calls left out
 
 
 def dedup(calls: Sequence[ModelCall]) -> list[ModelCall]:
     """Drop retried calls: of calls with identical ``prompt_ids``, keep the last.
 
-    A retried request is a new generation, so it cannot be deduplicated by the gateway;
-    the last one is the answer the harness went on with (the paper's "Network Issues").
+    The gateway replays an answer it recorded and then lost by dying; an answer lost
+    while it lived (the harness timed out and retried) leaves two generations of the same
+    prompt, and the last one is the answer the harness went on with (the paper's
+    "Network Issues").
     Kept calls stay in the order they were made.
     """
     last = {tuple(c.prompt_ids): i for i, c in enumerate(calls)}
     return [c for i, c in enumerate(calls) if last[tuple(c.prompt_ids)] == i]
 
 
-def calls_from_events(events: Iterable[Any]) -> list[ModelCall]:
-    """The ``model_request`` events of one attempt, in order, as calls.
-
-    Events without token ids (an endpoint that is not vLLM-compatible) cannot be trained
-    on and are skipped.
-    """
-    calls = []
+def read_calls(
+    events: Iterable[Any], decode: Callable[[list[int]], str] | None = None
+) -> ReadCalls:
+    """The ``model_request`` events of one attempt, in order, as calls, without the
+    invalid ones (counted by reason; ``decode`` adds the check against the text)."""
+    calls: list[ModelCall] = []
+    invalid: Counter[str] = Counter()
     for event in sorted(events, key=lambda e: e.sequence):
+        if event.type != "model_request":
+            continue
         data = event.data
-        if (
-            event.type != "model_request"
-            or not data.get("prompt_ids")
-            or not data.get("response_ids")
-        ):
+        reason = data.get("invalid") or invalid_reason(data)
+        if reason is None and decode is not None and text_mismatch(data, decode):
+            reason = "ids_do_not_match_text"
+        if reason is not None:
+            invalid[str(reason)] += 1
             continue
         calls.append(
             ModelCall(
@@ -42,4 +109,9 @@ def calls_from_events(events: Iterable[Any]) -> list[ModelCall]:
                 policy_version=int(data.get("policy_version", 0)),
             )
         )
-    return calls
+    return ReadCalls(calls, invalid)
+
+
+def calls_from_events(events: Iterable[Any]) -> list[ModelCall]:
+    """The trainable calls of one attempt's events, in order."""
+    return read_calls(events).calls

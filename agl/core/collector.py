@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from agl.core.assemble import FinishedRollout
-from agl.core.calls import calls_from_events
+from agl.core.calls import read_calls
 from agl.core.client import AsyncGatewayClient
 from agl.core.records import Event, Rollout, RolloutSpec, Status
 
@@ -42,9 +42,17 @@ class Group:
 
 
 class Collector:
-    def __init__(self, client: AsyncGatewayClient, poll_s: float = 0.1) -> None:
+    def __init__(
+        self,
+        client: AsyncGatewayClient,
+        poll_s: float = 0.1,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        """``decode``: the policy's tokenizer, to leave out calls whose token ids do not
+        decode to the text the harness got."""
         self.client = client
         self.poll_s = poll_s
+        self.decode = decode
         self.groups: dict[str, Group] = {}
         self._group_of: dict[str, str] = {}
         self._pending: set[str] = set()
@@ -130,14 +138,16 @@ class Collector:
         if rewards:
             value = max(rewards, key=lambda e: e.sequence).data
             reward = _reward_value(value)
+        read = read_calls(events, self.decode)
         finished = FinishedRollout(
             rollout_id=rid,
             group_id=rollout.group_id,
             mode=rollout.mode,
             status=rollout.status,
             reward=reward,
-            calls=calls_from_events(events),
+            calls=read.calls,
             error=rollout.error,
+            invalid_calls=dict(read.invalid),
         )
         group = self.groups[self._group_of[rid]]
         group.finished[rid] = finished

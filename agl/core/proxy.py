@@ -32,6 +32,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from agl.core.admission import AdmissionGate, Ticket
+from agl.core.calls import invalid_reason
 from agl.core.errors import ApiError, error_response
 from agl.core.records import EventIn, ModelEndpoint, storable
 from agl.core.store import PendingAnswer, Store
@@ -107,9 +108,14 @@ class _Choice:
         return message
 
 
-def _logprobs(choice: dict[str, Any]) -> list[float]:
-    content = (choice.get("logprobs") or {}).get("content") or ()
-    return [entry["logprob"] for entry in content]
+def _logprobs(choice: dict[str, Any]) -> list[Any]:
+    """The sampled tokens' logprobs as the endpoint gave them; whatever is malformed here
+    makes the call invalid for training (``invalid_reason``), not a failed call."""
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list):
+        return []
+    return [entry.get("logprob") if isinstance(entry, dict) else None for entry in content]
 
 
 @dataclass(frozen=True)
@@ -318,9 +324,14 @@ class RecordingProxy:
             data["tool_calls"] = message["tool_calls"]
         if call.request.get("tools"):
             data["tools"] = call.request["tools"]
-        if prompt_ids is None or response_ids is None:
+        reason = invalid_reason(data)
+        if reason is not None:
+            # The harness has its answer; the record says it cannot be trained on.
+            data["invalid"] = reason
             log.warning(
-                "endpoint %s returned no token ids; is it vLLM-compatible?", call.endpoint.endpoint
+                "endpoint %s answered a call that cannot be trained on: %s",
+                call.endpoint.endpoint,
+                reason,
             )
         return data
 

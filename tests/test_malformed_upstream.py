@@ -1,0 +1,166 @@
+"""Malformed model-server output: the harness keeps its answer, the record says why the
+call cannot be trained on, and the trainer leaves it out, counted by reason."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agl.core.assemble import FinishedRollout, assemble
+from agl.core.calls import invalid_reason, read_calls
+from agl.core.client import GatewayClient
+from agl.core.records import Event, Rollout, Status
+from agl.strategies.advantage.rollout import rollout_advantage
+from agl.strategies.merge.prefix import prefix as merge_prefix
+from agl.testing.fake_vllm import BYTE_OFFSET, FakeVllm, encode
+from agl.testing.processes import GatewayProcess
+from tests.conftest import base_url
+
+TEXT = "four"
+GOOD: dict[str, Any] = {
+    "prompt_token_ids": [1, 4, 20, 2],
+    "token_ids": encode(TEXT),
+    "logprobs": [-0.5] * len(TEXT),
+}
+
+
+def answer(**changes: Any) -> bytes:
+    """A vLLM-shaped answer with ``changes`` applied (a value of ``...`` drops the key)."""
+    fields = {**GOOD, **changes}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": fields.get("text", TEXT)},
+        "finish_reason": "stop",
+    }
+    if fields["token_ids"] is not ...:
+        choice["token_ids"] = fields["token_ids"]
+    if fields["logprobs"] is not ...:
+        choice["logprobs"] = {"content": [{"token": "t", "logprob": x} for x in fields["logprobs"]]}
+    body: dict[str, Any] = {"id": "c", "object": "chat.completion", "choices": [choice]}
+    if fields["prompt_token_ids"] is not ...:
+        body["prompt_token_ids"] = fields["prompt_token_ids"]
+    return orjson.dumps(body)
+
+
+def fake_decode(ids: list[int]) -> str:
+    return bytes(t - BYTE_OFFSET for t in ids if t >= BYTE_OFFSET).decode(errors="replace")
+
+
+MALFORMED = {
+    "no_response_ids": answer(token_ids=...),
+    "no_prompt_ids": answer(prompt_token_ids=...),
+    "bad_response_ids": answer(token_ids=["f", "o", "u", "r"]),
+    "bad_prompt_ids": answer(prompt_token_ids=[1, -4, 2]),
+    "logprobs_length": answer(logprobs=[-0.5]),
+    "bad_logprobs": answer(logprobs=[-0.5, None, -0.5, -0.5]),
+}
+
+
+@pytest.mark.parametrize("reason", sorted(MALFORMED))
+def test_a_malformed_answer_reaches_the_harness_and_is_recorded_invalid(
+    gateway: GatewayProcess,
+    admin: GatewayClient,
+    running: Callable[..., Rollout],
+    fake: FakeVllm,
+    reason: str,
+) -> None:
+    r = running()
+    fake.raw_next = [MALFORMED[reason], answer()]
+    client = openai.OpenAI(base_url=base_url(gateway, r), api_key=r.attempt_key, max_retries=0)
+    for _ in range(2):
+        reply = client.chat.completions.create(model="policy", messages=[{"role": "user"}])
+        assert reply.choices[0].message.content == TEXT
+    events = admin.get_events(r.rollout_id, type="model_request")
+    assert [e.data.get("invalid") for e in events] == [reason, None]
+    read = read_calls(events, fake_decode)
+    assert read.invalid == {reason: 1}
+    assert [c.response_ids for c in read.calls] == [GOOD["token_ids"]]
+
+
+def test_nan_is_not_json_so_the_call_fails_and_is_not_trained_on(
+    gateway: GatewayProcess,
+    admin: GatewayClient,
+    running: Callable[..., Rollout],
+    fake: FakeVllm,
+) -> None:
+    r = running()
+    fake.raw_next = [answer().replace(b"-0.5", b"NaN", 1)]
+    client = openai.OpenAI(base_url=base_url(gateway, r), api_key=r.attempt_key, max_retries=0)
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.chat.completions.create(model="policy", messages=[{"role": "user"}])
+    assert raised.value.status_code == 502
+    assert admin.get_events(r.rollout_id, type="model_request") == []
+    (failed,) = admin.get_events(r.rollout_id, type="model_request_failed")
+    assert "malformed completion" in failed.data["error"]
+
+
+def test_ids_that_do_not_decode_to_the_text_are_left_out(
+    gateway: GatewayProcess,
+    admin: GatewayClient,
+    running: Callable[..., Rollout],
+    fake: FakeVllm,
+) -> None:
+    r = running()
+    fake.raw_next = [answer(token_ids=encode("five"))]
+    client = openai.OpenAI(base_url=base_url(gateway, r), api_key=r.attempt_key, max_retries=0)
+    client.chat.completions.create(model="policy", messages=[{"role": "user"}])
+    events = admin.get_events(r.rollout_id, type="model_request")
+    assert events[0].data.get("invalid") is None  # the gateway has no tokenizer
+    assert read_calls(events).invalid == {}
+    assert read_calls(events, fake_decode).invalid == {"ids_do_not_match_text": 1}
+
+
+def test_left_out_calls_are_counted_in_the_step_metrics() -> None:
+    rollouts = [
+        FinishedRollout(
+            "a", "g", "train", Status.SUCCEEDED, 1.0, [], invalid_calls={"bad_logprobs": 2}
+        ),
+        FinishedRollout(
+            "b", "g", "train", Status.SUCCEEDED, 0.0, [], invalid_calls={"bad_logprobs": 1}
+        ),
+    ]
+    metrics = assemble(rollouts, merge_prefix, rollout_advantage).metrics
+    assert metrics["calls/invalid"] == 3
+    assert metrics["calls/invalid/bad_logprobs"] == 3
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=12,
+)
+
+
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "prompt_ids": JSON,
+            "response_ids": JSON,
+            "logprobs": JSON,
+            "policy_version": JSON,
+        },
+    )
+)
+def test_any_recorded_data_is_either_trainable_or_has_a_reason(data: dict[str, Any]) -> None:
+    """Whatever an endpoint sends, reading it never raises, and what is kept makes a
+    well-formed call."""
+    reason = invalid_reason(data)
+    read = read_calls([_event(data)])
+    if reason is None:
+        (call,) = read.calls
+        assert len(call.logprobs) == len(call.response_ids) > 0
+    else:
+        assert read.calls == [] and read.invalid == {reason: 1}
+
+
+def _event(data: dict[str, Any]) -> Event:
+    return Event(
+        rollout_id="r", attempt=1, event_id="e", sequence=1, type="model_request", data=data, time=0
+    )
