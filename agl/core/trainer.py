@@ -137,7 +137,7 @@ class Trainer:
         self.config = config
         self.run_dir = run_dir
         self.on_step = on_step or (lambda step, metrics: None)
-        self.collector = Collector(client, config.poll_s)
+        self.collector = Collector(client, config.poll_s, decode=merge.decode)
         self.state = TrainerState()
 
     # ------------------------------------------------------------------ the loop
