@@ -11,7 +11,9 @@ also survives the loss of the machine, at the price of an fsync per group.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
+import time
 import uuid
 import zlib
 from collections.abc import Iterator, Sequence
@@ -31,7 +33,21 @@ from agl.core.records import (
     Status,
     StatusPatch,
 )
-from agl.core.store import EventQuery, NotFound, PendingAnswer, RolloutQuery, Store
+from agl.core.store import (
+    HISTORY_SINCE,
+    EventQuery,
+    NotFound,
+    PendingAnswer,
+    RolloutQuery,
+    RolloutRow,
+    SortKey,
+    Store,
+    Summary,
+    SummaryQuery,
+    Transition,
+)
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -83,7 +99,89 @@ CREATE TABLE IF NOT EXISTS pending_answers (
 CREATE INDEX IF NOT EXISTS pending_by_request
     ON pending_answers (rollout_id, attempt, request_hash);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS rollouts_by_group ON rollouts (group_id, seq);
+CREATE TABLE IF NOT EXISTS attempt_summaries (
+    rollout_id TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    events INTEGER NOT NULL,
+    calls INTEGER NOT NULL,
+    failed_calls INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    context INTEGER NOT NULL,
+    rewards INTEGER NOT NULL,
+    reward REAL,
+    last_event_at REAL,
+    PRIMARY KEY (rollout_id, attempt)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS transitions (
+    seq INTEGER PRIMARY KEY,
+    rollout_id TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    time REAL NOT NULL,
+    error TEXT
+);
+CREATE INDEX IF NOT EXISTS transitions_by_rollout ON transitions (rollout_id, seq);
 """
+
+_SUMMARY_COLUMNS = (
+    "attempt, events, calls, failed_calls, tokens, context, rewards, reward, last_event_at"
+)
+_ADD_TO_SUMMARY = f"""
+INSERT INTO attempt_summaries (rollout_id, {_SUMMARY_COLUMNS})
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (rollout_id, attempt) DO UPDATE SET
+    events = events + excluded.events,
+    calls = calls + excluded.calls,
+    failed_calls = failed_calls + excluded.failed_calls,
+    tokens = tokens + excluded.tokens,
+    context = MAX(context, excluded.context),
+    rewards = rewards + excluded.rewards,
+    reward = CASE WHEN excluded.rewards > 0 THEN excluded.reward ELSE reward END,
+    last_event_at = excluded.last_event_at
+"""
+
+# The summaries of a store made before them, from its events, in one pass of SQLite's
+# JSON functions (the data is orjson text in a BLOB: CAST keeps SQLite from reading it
+# as its binary JSONB).
+_BACKFILL_SUMMARIES = f"""
+INSERT OR IGNORE INTO attempt_summaries (rollout_id, {_SUMMARY_COLUMNS})
+SELECT rollout_id, attempt, COUNT(*),
+    SUM(type = 'model_request'),
+    SUM(type = 'model_request_failed'),
+    SUM(CASE WHEN type = 'model_request'
+        THEN COALESCE(json_array_length(CAST(data AS TEXT), '$.response_ids'), 0) ELSE 0 END),
+    MAX(CASE WHEN type = 'model_request'
+        THEN COALESCE(json_array_length(CAST(data AS TEXT), '$.prompt_ids'), 0)
+            + COALESCE(json_array_length(CAST(data AS TEXT), '$.response_ids'), 0)
+        ELSE 0 END),
+    SUM(type = 'reward'),
+    (SELECT CASE json_type(CAST(last.data AS TEXT), '$.value')
+            WHEN 'integer' THEN json_extract(CAST(last.data AS TEXT), '$.value')
+            WHEN 'real' THEN json_extract(CAST(last.data AS TEXT), '$.value')
+            WHEN 'true' THEN 1.0 WHEN 'false' THEN 0.0 END
+        FROM events AS last
+        WHERE last.rollout_id = events.rollout_id AND last.attempt = events.attempt
+            AND last.type = 'reward' AND json_type(CAST(last.data AS TEXT)) = 'object'
+            AND last.seq = (SELECT MAX(seq) FROM events AS r WHERE r.rollout_id = last.rollout_id
+                AND r.attempt = last.attempt AND r.type = 'reward')),
+    MAX(time)
+FROM events GROUP BY rollout_id, attempt
+"""
+
+_SORT_KEYS = {
+    SortKey.CREATED: "r.seq",
+    SortKey.REWARD: "s.reward",
+    SortKey.TURNS: "s.calls",
+    SortKey.TOKENS: "s.tokens",
+    SortKey.DURATION: "r.ended_at - r.started_at",
+}
+_STEP = """CASE
+    WHEN json_type(CAST(r.metadata AS TEXT), '$.step') = 'integer'
+        THEN json_extract(CAST(r.metadata AS TEXT), '$.step')
+    WHEN json_type(CAST(r.metadata AS TEXT), '$.batch') = 'integer'
+        THEN json_extract(CAST(r.metadata AS TEXT), '$.batch') + 1
+    END"""
 
 _ROLLOUT_COLUMNS = (
     "rollout_id, group_id, mode, status, attempt, version, max_attempts, timeout_s, "
@@ -125,6 +223,51 @@ def _event(row: tuple[Any, ...]) -> Event:
     )
 
 
+def _summary(row: Sequence[Any]) -> Summary:
+    return Summary(*row)
+
+
+class _Added:
+    """What a batch of newly stored events adds to their attempt's summary."""
+
+    __slots__ = ("calls", "context", "events", "failed_calls", "reward", "rewards", "tokens")
+
+    def __init__(self) -> None:
+        self.events = self.calls = self.failed_calls = self.tokens = self.context = 0
+        self.rewards = 0
+        self.reward: float | None = None
+
+    def count(self, type_: str, data: Any) -> None:
+        self.events += 1
+        if type_ == "model_request":
+            self.calls += 1
+            if isinstance(data, dict):
+                response = data.get("response_ids")
+                prompt = data.get("prompt_ids")
+                n = len(response) if isinstance(response, list) else 0
+                m = len(prompt) if isinstance(prompt, list) else 0
+                self.tokens += n
+                self.context = max(self.context, m + n)
+        elif type_ == "model_request_failed":
+            self.failed_calls += 1
+        elif type_ == "reward":
+            # The trainer's reading (agl.core.collector): the last reward event's number.
+            self.rewards += 1
+            value = data.get("value") if isinstance(data, dict) else None
+            self.reward = float(value) if isinstance(value, int | float) else None
+
+    def row(self) -> tuple[Any, ...]:
+        return (
+            self.events,
+            self.calls,
+            self.failed_calls,
+            self.tokens,
+            self.context,
+            self.rewards,
+            self.reward,
+        )
+
+
 class SqliteStore(Store):
     def __init__(self, path: Path, fsync: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,9 +276,23 @@ class SqliteStore(Store):
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
         self._db.execute("PRAGMA busy_timeout=5000")
+        before = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master")}
         self._db.executescript(_SCHEMA)
+        self._migrate(before)
         self._in_transaction = False
         self._commit: asyncio.Future[None] | None = None
+
+    def _migrate(self, before: set[str]) -> None:
+        """Bring a store made before summaries and transitions up to date (once)."""
+        if "events" in before and "attempt_summaries" not in before:
+            log.info("building attempt summaries of %s from its events (once)", self.path)
+            with self._db:
+                self._db.execute(_BACKFILL_SUMMARIES)
+        if "rollouts" in before and "transitions" not in before:
+            self._db.execute(
+                "INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)",
+                (HISTORY_SINCE, repr(time.time())),
+            )
 
     # -- group commit --------------------------------------------------------------
 
@@ -253,6 +410,11 @@ class SqliteStore(Store):
     def _save_status(self, r: Rollout) -> None:
         with self._write() as db:
             db.execute(
+                "INSERT INTO transitions (rollout_id, attempt, status, time, error) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (r.rollout_id, r.attempt, r.status.value, r.updated_at, r.error),
+            )
+            db.execute(
                 "UPDATE rollouts SET status = ?, attempt = ?, version = ?, updated_at = ?, "
                 "started_at = ?, ended_at = ?, error = ? WHERE rollout_id = ?",
                 (
@@ -316,6 +478,7 @@ class SqliteStore(Store):
                         pending.stream,
                     ),
                 )
+            added = _Added()
             for e in events:
                 event_id = e.event_id or uuid.uuid4().hex
                 data = orjson.dumps(e.data)
@@ -325,6 +488,7 @@ class SqliteStore(Store):
                     (rollout_id, attempt, event_id, e.type, data, now),
                 )
                 if cursor.rowcount:
+                    added.count(e.type, e.data)
                     stored.append(
                         Event.model_construct(
                             rollout_id=rollout_id,
@@ -343,6 +507,8 @@ class SqliteStore(Store):
                         (rollout_id, attempt, event_id),
                     ).fetchone()
                     stored.append(_event(row))
+            if added.events:
+                db.execute(_ADD_TO_SUMMARY, (rollout_id, attempt, *added.row(), now))
         await self._durable()
         return stored
 
@@ -387,6 +553,64 @@ class SqliteStore(Store):
             [*args, query.limit],
         )
         return [_event(row) for row in rows]
+
+    # -- what the viewer reads -----------------------------------------------------
+
+    async def query_rollouts(self, query: SummaryQuery) -> tuple[list[RolloutRow], int]:
+        where: list[str] = []
+        args: list[Any] = []
+        if query.statuses:
+            where.append(f"r.status IN ({','.join('?' * len(query.statuses))})")
+            args.extend(sorted(query.statuses))
+        for column, value in (("r.mode", query.mode), ("r.group_id", query.group_id)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                args.append(value)
+        if query.step is not None:
+            where.append(f"{_STEP} = ?")
+            args.append(query.step)
+        if query.min_reward is not None:
+            where.append("s.reward >= ?")
+            args.append(query.min_reward)
+        if query.max_reward is not None:
+            where.append("s.reward <= ?")
+            args.append(query.max_reward)
+        joined = (
+            "FROM rollouts AS r LEFT JOIN attempt_summaries AS s "
+            "ON s.rollout_id = r.rollout_id AND s.attempt = r.attempt"
+        )
+        condition = f"WHERE {' AND '.join(where)}" if where else ""
+        (total,) = self._db.execute(f"SELECT COUNT(*) {joined} {condition}", args).fetchone()
+        key = _SORT_KEYS[query.sort]
+        direction = "DESC" if query.descending else "ASC"
+        columns = ", ".join(f"r.{c.strip()}" for c in _ROLLOUT_COLUMNS.split(","))
+        summary = ", ".join(f"s.{c.strip()}" for c in _SUMMARY_COLUMNS.split(","))
+        rows = self._db.execute(
+            f"SELECT {columns}, {summary} {joined} {condition} "
+            f"ORDER BY {key} IS NULL, {key} {direction}, r.seq LIMIT ? OFFSET ?",
+            [*args, query.limit, query.offset],
+        ).fetchall()
+        split = _ROLLOUT_COLUMNS.count(",") + 1
+        return [
+            RolloutRow(_rollout(row), None if row[split] is None else _summary(row[split:]))
+            for row in rows
+        ], total
+
+    async def summaries(self, rollout_id: str) -> list[Summary]:
+        rows = self._db.execute(
+            f"SELECT {_SUMMARY_COLUMNS} FROM attempt_summaries WHERE rollout_id = ? "
+            "ORDER BY attempt",
+            (rollout_id,),
+        )
+        return [_summary(row) for row in rows]
+
+    async def transitions(self, rollout_id: str) -> list[Transition]:
+        rows = self._db.execute(
+            "SELECT attempt, status, time, error FROM transitions WHERE rollout_id = ? "
+            "ORDER BY seq",
+            (rollout_id,),
+        )
+        return [Transition(a, Status(s), t, e) for a, s, t, e in rows]
 
     # -- models and meta -----------------------------------------------------------
 

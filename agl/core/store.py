@@ -8,6 +8,9 @@ PostgreSQL URL) can replace the embedded SQLite file. Contract for every impleme
 - creating rollouts and appending events are idempotent by their caller-chosen ids;
 - status changes go through :func:`agl.core.lifecycle.apply_patch` atomically with the
   read of the current state;
+- each appended event updates its attempt's :class:`Summary`, and each status change
+  appends a :class:`Transition`, in the same transaction, so the viewer reads both
+  without parsing events;
 - a :class:`PendingAnswer` is stored atomically with its call's events and kept until the
   proxy says it was delivered, another gateway process claims it, or its rollout stops
   running.
@@ -18,6 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from agl.core.records import (
@@ -29,6 +33,10 @@ from agl.core.records import (
     Status,
     StatusPatch,
 )
+
+# Meta key: when this store started recording transitions, if it held rollouts before
+# (their status history is incomplete).
+HISTORY_SINCE = "history_since"
 
 
 class NotFound(Exception):
@@ -50,6 +58,69 @@ class EventQuery:
     type: str | None = None
     after: int = 0
     limit: int = 1000
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One attempt of a rollout in numbers, kept up to date as its events are appended.
+
+    ``tokens`` counts sampled (response) tokens over all calls, ``context`` is the longest
+    call's prompt plus response; ``reward`` is the value of the last reward event (None
+    when there is none, or when the last one holds no number, as the trainer reads it)."""
+
+    attempt: int
+    events: int
+    calls: int
+    failed_calls: int
+    tokens: int
+    context: int
+    rewards: int
+    reward: float | None
+    last_event_at: float | None
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A status change, as the store applied it."""
+
+    attempt: int
+    status: Status
+    time: float
+    error: str | None
+
+
+class SortKey(StrEnum):
+    CREATED = "created"
+    REWARD = "reward"
+    TURNS = "turns"  # model calls of the current attempt
+    TOKENS = "tokens"  # sampled tokens of the current attempt
+    DURATION = "duration"  # ended_at - started_at of the current attempt
+
+
+@dataclass(frozen=True)
+class SummaryQuery:
+    """Rollouts with their current attempt's summary, filtered and sorted. ``step`` is
+    the training step whose metrics a rollout is in, from what the trainer writes:
+    ``metadata.step`` (validation), else ``metadata.batch`` + 1 (a train batch ``b`` is
+    trained at step ``b + 1``). Rows without the sort key come last; ties keep creation
+    order."""
+
+    statuses: frozenset[Status] = frozenset()
+    mode: str | None = None
+    group_id: str | None = None
+    step: int | None = None
+    min_reward: float | None = None
+    max_reward: float | None = None
+    sort: SortKey = SortKey.CREATED
+    descending: bool = False
+    offset: int = 0
+    limit: int = 50
+
+
+@dataclass(frozen=True)
+class RolloutRow:
+    rollout: Rollout
+    summary: Summary | None  # of the current attempt; None before its first event
 
 
 @dataclass(frozen=True)
@@ -113,6 +184,18 @@ class Store(ABC):
 
     @abstractmethod
     async def list_events(self, rollout_id: str, query: EventQuery) -> list[Event]: ...
+
+    @abstractmethod
+    async def query_rollouts(self, query: SummaryQuery) -> tuple[list[RolloutRow], int]:
+        """One page of rollouts with their summaries, and how many match in all."""
+
+    @abstractmethod
+    async def summaries(self, rollout_id: str) -> list[Summary]:
+        """The summary of each attempt that has events, by attempt."""
+
+    @abstractmethod
+    async def transitions(self, rollout_id: str) -> list[Transition]:
+        """The rollout's status changes in order (creation, as ``queuing``, is not one)."""
 
     @abstractmethod
     async def put_models(self, models: Sequence[ModelEndpoint]) -> None:

@@ -1,0 +1,15 @@
+"""Other model APIs over chat completions: each dialect turns its request into one chat
+completions request and the chat answer (whole, or a stream of chunks) back into its own
+answer, so a harness that speaks it can use the recording proxy.
+
+- :data:`RESPONSES`: OpenAI's Responses API (``POST /v1/responses``; Codex CLI).
+
+No I/O but a log line, no state between calls (a stream translator holds one answer's).
+"""
+
+from __future__ import annotations
+
+from agl.core.dialects._base import Dialect, DialectError, StreamTranslator
+from agl.core.dialects.responses import RESPONSES
+
+__all__ = ["RESPONSES", "Dialect", "DialectError", "StreamTranslator"]
