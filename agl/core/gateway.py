@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from agl import ui
 from agl.core.admission import AdmissionGate
 from agl.core.auth import Keyring, Principal, bearer
 from agl.core.cli import check_port
@@ -94,6 +95,9 @@ class GatewayConfig:
     admin_token_file: str = ""  # read the admin token from this file instead
     attempt_rps: float = 50.0  # calls per second per attempt key, sustained (0: no limit)
     attempt_burst: int = 100  # calls per attempt key above the rate before 429s start
+    # The run folder the viewer (/ui) reads: config (merge, advantage, tokenizer) and
+    # agent logs. Default: run_dir's parent when it holds a config.yaml.
+    ui_run: str = ""
 
     def __post_init__(self) -> None:
         check_port(self.port)
@@ -699,6 +703,10 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
     @app.post(EVENTS, openapi_extra=body(_EVENTS))
     async def post_events(request: Request, rollout_id: str, attempt: int) -> Response:
         return await gw().post_events(request, rollout_id, attempt)
+
+    app.include_router(
+        ui.router(gw, admin_token, ui.find_run_folder(config.run_dir, config.ui_run))
+    )
 
     fast_lane = FastLane(app, gateway=lambda: holder["gateway"])
     return BodyLimit(fast_lane, max_bytes=int(config.max_body_mb * 2**20))

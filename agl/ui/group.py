@@ -1,0 +1,84 @@
+"""A group's rollouts side by side: reward, and the advantage each would get under the
+rollout-level and the sample-level strategy (with the run's estimator and merge), so
+that the effect of a rollout splitting into several samples is visible."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agl.core.assemble import FinishedRollout, assemble
+from agl.core.explain import calls_from_events
+from agl.core.records import Event, Rollout, Status
+from agl.core.store import Summary
+from agl.ui.views import MessageView, message_view
+
+LEVELS = ("rollout", "sample")  # the advantage strategies compared
+Advantage = Callable[[list[Any], dict[str, float]], list[float]]
+
+
+@dataclass
+class Card:
+    rollout: Rollout
+    summary: Summary | None
+    transcript: list[MessageView] = field(default_factory=list)
+    advantages: dict[str, list[float]] = field(default_factory=dict)  # level -> per sample
+    in_baseline: bool = False  # the trainer would use it: succeeded, with a reward
+
+
+def cards(
+    rows: Sequence[tuple[Rollout, Summary | None]],
+    events: Mapping[str, Sequence[Event]],
+    merge: Callable[..., list[Any]] | None,
+    advantages: Mapping[str, Advantage],
+) -> list[Card]:
+    """One card per rollout; ``events`` holds the current attempt's events of those
+    whose conversation and samples are shown. With a ``merge`` and ``advantages``
+    (level → strategy), each card gets its samples' advantages at each level, computed
+    as the trainer does (``agl.core.assemble``) over the group's finished rollouts."""
+    out = []
+    finished = []
+    for rollout, summary in rows:
+        card = Card(rollout, summary)
+        evs = events.get(rollout.rollout_id, [])
+        card.transcript = _transcript(evs)
+        reward = None if summary is None else summary.reward
+        card.in_baseline = rollout.status is Status.SUCCEEDED and reward is not None
+        if rollout.status in (Status.SUCCEEDED, Status.FAILED):
+            finished.append(
+                FinishedRollout(
+                    rollout.rollout_id,
+                    rollout.group_id,
+                    rollout.mode,
+                    rollout.status,
+                    reward,
+                    calls_from_events(evs, rollout.attempt),
+                    rollout.error,
+                )
+            )
+        out.append(card)
+    if merge is not None and finished:
+        by_id = {c.rollout.rollout_id: c for c in out}
+        for level, advantage in advantages.items():
+            batch = assemble(finished, merge, advantage)
+            for sample, value in zip(batch.samples, batch.advantages, strict=True):
+                by_id[sample.rollout_id].advantages.setdefault(level, []).append(value)
+    return out
+
+
+def _transcript(events: Sequence[Event]) -> list[MessageView]:
+    """The last recorded call's messages and its response: the whole conversation of a
+    chat harness."""
+    last = max(
+        (e for e in events if e.type == "model_request" and isinstance(e.data, dict)),
+        key=lambda e: e.sequence,
+        default=None,
+    )
+    if last is None:
+        return []
+    messages = last.data.get("messages")
+    shown = [message_view(m) for m in (messages if isinstance(messages, list) else [])]
+    response = last.data.get("response")
+    shown.append(MessageView("response", response if isinstance(response, str) else "", ""))
+    return shown

@@ -1,0 +1,749 @@
+"""The trajectory viewer (/ui): login and its cookie, what it refuses, escaping, the
+list's filters, sorting and pages against a model, query counts at 10,000 rollouts, the
+store's summaries and transitions (also for a store made before them), and a real
+browser over a real short training run."""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agl.core import gateway as gateway_module
+from agl.core.client import GatewayClient
+from agl.core.gateway import GatewayConfig, create_app
+from agl.core.merging import common_prefix_len
+from agl.core.records import EventIn, RolloutSpec, Status, StatusPatch
+from agl.core.sqlite_store import SqliteStore
+from agl.core.store import HISTORY_SINCE, EventQuery
+from agl.testing.processes import GatewayProcess, gateway_process
+from agl.ui.session import COOKIE, session_value
+
+TOKEN = "test-admin-token"  # conftest's gateway fixture
+_ROLLOUT_LINK = re.compile(r'class="rollout" href="/ui/rollouts/([^"]+)"')
+_COUNT = re.compile(r'id="count">(\d+) rollouts?')
+
+
+@contextmanager
+def ui_client(gateway: GatewayProcess, login: bool = True) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        if login:
+            answer = client.post("/ui/login", data={"token": gateway.token, "next": "/ui"})
+            assert answer.status_code == 303, answer.text
+        yield client
+
+
+def listed(page: httpx.Response) -> list[str]:
+    assert page.status_code == 200, page.text
+    return _ROLLOUT_LINK.findall(page.text)
+
+
+def count(page: httpx.Response) -> int:
+    found = _COUNT.search(page.text)
+    assert found is not None, page.text[:2000]
+    return int(found.group(1))
+
+
+def call_event(prompt: list[int], sampled: list[int], **data: Any) -> EventIn:
+    return EventIn(
+        type="model_request",
+        data={
+            "prompt_ids": prompt,
+            "response_ids": sampled,
+            "logprobs": [-0.5] * len(sampled),
+            "policy_version": 0,
+            "finish_reason": "stop",
+            "latency_s": 0.01,
+            **data,
+        },
+    )
+
+
+# -- login, cookie, refusals ---------------------------------------------------------------
+
+
+def test_pages_redirect_to_login_until_the_admin_token_is_given(gateway: GatewayProcess) -> None:
+    with ui_client(gateway, login=False) as client:
+        for path in ("/ui", "/ui/rollouts/nope", "/ui/groups/g?x=1"):
+            answer = client.get(path)
+            assert answer.status_code == 303
+            assert answer.headers["location"].startswith("/ui/login?next=")
+        assert client.get("/ui/login").status_code == 200
+        wrong = client.post("/ui/login", data={"token": "not-the-token", "next": "/ui"})
+        assert wrong.status_code == 401 and "set-cookie" not in wrong.headers
+        assert "not the gateway" in wrong.text
+
+        good = client.post("/ui/login", data={"token": TOKEN, "next": "/ui?sort=reward"})
+        assert good.status_code == 303 and good.headers["location"] == "/ui?sort=reward"
+        cookie = good.headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/ui" in cookie
+        assert TOKEN not in cookie  # derived from the token, not the token
+        assert client.get("/ui").status_code == 200
+
+    # a made-up cookie is no session; the admin token as a Bearer header is
+    forged = httpx.get(f"{gateway.url}/ui", cookies={COOKIE: "0" * 64})
+    assert forged.status_code == 303
+    bearer = httpx.get(f"{gateway.url}/ui", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert bearer.status_code == 200
+    real = httpx.get(f"{gateway.url}/ui", cookies={COOKIE: session_value(TOKEN)})
+    assert real.status_code == 200
+
+
+def test_login_goes_only_to_viewer_pages(gateway: GatewayProcess) -> None:
+    with ui_client(gateway, login=False) as client:
+        for target in ("https://evil.example/", "//evil.example/ui", "/api/rollouts", ""):
+            answer = client.post("/ui/login", data={"token": TOKEN, "next": target})
+            assert answer.headers["location"] == "/ui"
+
+
+def test_an_attempt_key_never_opens_the_viewer(gateway: GatewayProcess, running: Any) -> None:
+    rollout = running()
+    key = rollout.attempt_key
+    assert key
+    as_agent = httpx.get(f"{gateway.url}/ui", headers={"Authorization": f"Bearer {key}"})
+    assert as_agent.status_code == 403
+    with ui_client(gateway, login=False) as client:
+        login = client.post("/ui/login", data={"token": key, "next": "/ui"})
+        assert login.status_code == 403 and "set-cookie" not in login.headers
+        assert "attempt key" in login.text
+
+
+def test_the_viewer_is_read_only(gateway: GatewayProcess, running: Any) -> None:
+    rollout = running()
+    with ui_client(gateway) as client:
+        for method in ("POST", "PUT", "PATCH", "DELETE"):
+            for path in ("/ui", f"/ui/rollouts/{rollout.rollout_id}", "/ui/groups/g"):
+                assert client.request(method, path).status_code == 405, (method, path)
+    with GatewayClient(gateway.url, gateway.token) as admin:
+        assert admin.get_rollout(rollout.rollout_id).version == rollout.version
+
+
+# -- escaping --------------------------------------------------------------------------------
+
+SCRIPT = "<script>alert('x')</script>"
+IMG = '<img src=x onerror="alert(1)">'
+
+
+def test_what_rollouts_hold_is_shown_as_text(gateway: GatewayProcess, admin: GatewayClient) -> None:
+    rollout_id = f"x-{uuid.uuid4().hex[:8]}"
+    group = f"{SCRIPT}{uuid.uuid4().hex[:4]}"
+    admin.create_rollouts(
+        [
+            {
+                "rollout_id": rollout_id,
+                "group_id": group,
+                "input": {"task": SCRIPT, IMG: IMG},
+                "metadata": {"note": SCRIPT},
+            }
+        ]
+    )
+    admin.patch_rollout(rollout_id, "running")
+    admin.post_events(
+        rollout_id,
+        1,
+        [
+            call_event(
+                [1, 2],
+                [3],
+                messages=[{"role": "user", "content": SCRIPT}, {"role": IMG, "content": [IMG]}],
+                response=SCRIPT,
+                tool_calls=[{"function": {"name": SCRIPT, "arguments": IMG}}],
+            ),
+            EventIn(type=SCRIPT, data={IMG: SCRIPT}),
+            EventIn(type="reward", data={"value": 1.0, "why": SCRIPT}),
+        ],
+    )
+    admin.patch_rollout(rollout_id, "failed", error=SCRIPT)
+    with ui_client(gateway) as client:
+        pages = [
+            client.get("/ui", params={"group": group}),
+            client.get(f"/ui/rollouts/{rollout_id}"),
+            client.get("/ui/groups/" + quote(group, safe="")),
+            client.get("/ui/rollouts/" + "%3Cscript%3E"),  # an error page naming the id
+        ]
+        for page in pages[:3]:
+            assert page.status_code == 200, page.text
+        for page in pages:
+            body = page.text
+            assert "<script" not in body.lower() and "<img" not in body.lower()
+            assert 'onerror="' not in body
+            assert "default-src 'none'" in page.headers["content-security-policy"]
+        # shown, as text: input, metadata, message, response, tool call, event, error
+        assert pages[1].text.count("&lt;script&gt;") >= 7
+
+
+# -- the list against a model ----------------------------------------------------------------
+
+REWARDS = (-1.0, 0.0, 0.5, 1.0, None)
+POPULATION = 130  # three pages
+
+
+@pytest.fixture(scope="module")
+def population(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[GatewayProcess, list]]:
+    """A gateway holding only POPULATION rollouts of known shape; answers it and the
+    model: one dict per rollout in creation order."""
+    import random
+
+    rng = random.Random(7)
+    run_dir = tmp_path_factory.mktemp("population")
+    with (
+        gateway_process(run_dir, token=TOKEN, attempt_rps=0) as gw,
+        GatewayClient(gw.url, gw.token) as admin,
+    ):
+        specs = []
+        for i in range(POPULATION):
+            mode = rng.choice(["train", "val"])
+            step = rng.randrange(4)
+            specs.append(
+                {
+                    "rollout_id": f"p{i:03d}",
+                    "group_id": f"g{rng.randrange(10)}",
+                    "mode": mode,
+                    "metadata": {"batch": step} if mode == "train" else {"step": step},
+                    "input": {"i": i},
+                }
+            )
+        admin.create_rollouts(specs)
+        model = []
+        for spec in specs:
+            rid = spec["rollout_id"]
+            status = rng.choice(["queuing", "running", "succeeded", "failed"])
+            calls = rng.randrange(4)
+            lengths = [rng.randrange(1, 9) for _ in range(calls)]
+            reward = rng.choice(REWARDS)
+            events = [call_event([k], [7] * n) for k, n in enumerate(lengths)]
+            if reward is not None:
+                events.append(EventIn(type="reward", data={"value": 5.0}))  # overwritten
+                events.append(EventIn(type="reward", data={"value": reward}))
+            if status != "queuing":
+                admin.patch_rollout(rid, "running")
+            if events:
+                admin.post_events(rid, 1, events)
+            if status in ("succeeded", "failed"):
+                admin.patch_rollout(rid, status)
+            record = admin.get_rollout(rid)
+            duration = (
+                None
+                if record.started_at is None or record.ended_at is None
+                else record.ended_at - record.started_at
+            )
+            meta = spec["metadata"]
+            step = meta["step"] if "step" in meta else meta["batch"] + 1
+            model.append(
+                {
+                    "id": rid,
+                    "group": spec["group_id"],
+                    "mode": spec["mode"],
+                    "step": step,
+                    "status": status,
+                    "reward": reward,
+                    "turns": calls if events else None,
+                    "tokens": sum(lengths) if events else None,
+                    "duration": duration,
+                    "created": record.created_at,
+                }
+            )
+        yield gw, model
+
+
+def expected(model: list[dict[str, Any]], query: dict[str, Any]) -> list[str]:
+    rows = [
+        r
+        for r in model
+        if (query["status"] is None or r["status"] == query["status"])
+        and (query["mode"] is None or r["mode"] == query["mode"])
+        and (query["step"] is None or r["step"] == query["step"])
+        and (query["group"] is None or r["group"] == query["group"])
+        and (
+            query["min_reward"] is None
+            or (r["reward"] is not None and r["reward"] >= query["min_reward"])
+        )
+        and (
+            query["max_reward"] is None
+            or (r["reward"] is not None and r["reward"] <= query["max_reward"])
+        )
+    ]
+    key = query["sort"]
+    position = {r["id"]: i for i, r in enumerate(model)}
+    value = {"created": lambda r: position[r["id"]]}.get(key, lambda r: r[key])
+    present = [r for r in rows if value(r) is not None]
+    missing = [r for r in rows if value(r) is None]
+    # ties in creation order whatever the direction; rows without the key last
+    present.sort(key=lambda r: position[r["id"]])
+    present.sort(key=value, reverse=query["order"] == "desc")
+    return [r["id"] for r in present + missing]
+
+
+queries = st.fixed_dictionaries(
+    {
+        "status": st.none() | st.sampled_from([s.value for s in Status]),
+        "mode": st.none() | st.sampled_from(["train", "val"]),
+        "step": st.none() | st.integers(0, 4),
+        "group": st.none() | st.sampled_from([f"g{i}" for i in range(10)]),
+        "min_reward": st.none() | st.sampled_from(REWARDS[:-1]),
+        "max_reward": st.none() | st.sampled_from(REWARDS[:-1]),
+        "sort": st.sampled_from(["created", "reward", "turns", "tokens", "duration"]),
+        "order": st.sampled_from(["asc", "desc"]),
+        "page": st.integers(1, 4),
+    }
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(query=queries)
+def test_filters_sort_and_pages_match_a_model(population: Any, query: dict[str, Any]) -> None:
+    gateway, model = population
+    params = {k: v for k, v in query.items() if v is not None}
+    page = httpx.get(
+        f"{gateway.url}/ui",
+        params=params,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=30,
+    )
+    want = expected(model, query)
+    start = (query["page"] - 1) * 50
+    assert listed(page) == want[start : start + 50]
+    assert count(page) == len(want)
+
+
+def test_every_page_once_and_in_order(population: Any) -> None:
+    gateway, model = population
+    seen: list[str] = []
+    with ui_client(gateway) as client:
+        url = "/ui?sort=tokens&order=desc"
+        while url:
+            page = client.get(url)
+            seen += listed(page)
+            found = re.search(r'rel="next" href="([^"]+)"', page.text)
+            url = html.unescape(found.group(1)) if found else ""
+    query = {k: None for k in ("status", "mode", "step", "group", "min_reward", "max_reward")}
+    assert seen == expected(model, {**query, "sort": "tokens", "order": "desc"})
+    assert len(seen) == POPULATION
+
+
+def test_a_bad_filter_is_a_400_that_says_which(population: Any) -> None:
+    gateway, _ = population
+    with ui_client(gateway) as client:
+        for params, word in (
+            ({"step": "two"}, "step"),
+            ({"sort": "colour"}, "sort"),
+            ({"status": "done"}, "status"),
+            ({"min_reward": "nan"}, "min_reward"),
+            ({"page": "0"}, "page"),
+        ):
+            page = client.get("/ui", params=params)
+            assert page.status_code == 400 and word in page.text
+
+
+# -- 10,000 rollouts: a bounded number of queries per page ----------------------------------
+
+
+RUNNING = StatusPatch(status=Status.RUNNING)
+
+
+async def _fill(path: Path, n: int) -> None:
+    store = SqliteStore(path)
+    specs = [
+        RolloutSpec(rollout_id=f"r{i:05d}", group_id=f"g{i // 8}", metadata={"batch": i // 1000})
+        for i in range(n)
+    ]
+    await store.create_rollouts(specs, 1000.0)
+    for start in range(0, n, 500):
+        chunk = range(start, min(n, start + 500))
+        await asyncio.gather(
+            *(
+                store.patch_rollout(f"r{i:05d}", StatusPatch(status="running"), 1001.0)
+                for i in chunk
+            )
+        )
+        await asyncio.gather(
+            *(
+                store.append_events(
+                    f"r{i:05d}",
+                    1,
+                    [
+                        call_event(list(range(20)), list(range(i % 13 + 1))),
+                        EventIn(type="reward", data={"value": (i * 7919) % 10 / 10}),
+                    ],
+                    1002.0 + i % 17,
+                )
+                for i in chunk
+            )
+        )
+        await asyncio.gather(
+            *(
+                store.patch_rollout(f"r{i:05d}", StatusPatch(status="succeeded"), 1003.0 + i % 29)
+                for i in chunk
+            )
+        )
+    await store.close()
+
+
+def test_ten_thousand_rollouts_cost_a_few_queries_per_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from starlette.testclient import TestClient
+
+    run_dir = tmp_path / "gateway"
+    asyncio.run(_fill(run_dir / "gateway.db", 10_000))
+    statements: list[str] = []
+    opened = gateway_module.open_store
+
+    def traced(url: str, fsync: bool = False) -> Any:
+        store = opened(url, fsync)
+        store._db.set_trace_callback(statements.append)
+        return store
+
+    monkeypatch.setattr(gateway_module, "open_store", traced)
+    app = create_app(GatewayConfig(run_dir=str(run_dir)), TOKEN)
+    pages = {
+        "first page": "/ui",
+        "sorted by reward, page 150": "/ui?sort=reward&order=desc&page=150",
+        "sorted by duration, filtered": "/ui?sort=duration&mode=train&step=3&min_reward=0.5",
+        "sorted by tokens": "/ui?sort=tokens&order=asc",
+        "sorted by turns, by status": "/ui?sort=turns&status=succeeded&page=7",
+    }
+    with TestClient(app, headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+        for name, path in pages.items():
+            statements.clear()
+            page = client.get(path)
+            assert page.status_code == 200, page.text
+            assert len(listed(page)) == 50, name
+            # one COUNT and one page, whatever the page, sort or filter; no event is read
+            assert len(statements) == 2, (name, statements)
+            assert not any(re.search(r"(FROM|JOIN) events\b", s) for s in statements), name
+        statements.clear()
+        assert client.get("/ui/rollouts/r05000").status_code == 200
+        assert len(statements) <= 6, statements  # rollout, history, summaries, events, meta
+        statements.clear()
+        assert client.get("/ui/groups/g625").status_code == 200
+        assert len(statements) <= 2 + 8, statements  # the group, then each rollout's events
+        by_reward = client.get("/ui?sort=reward&order=desc&page=1")
+        assert "0.900" in by_reward.text
+
+
+# -- the store: summaries and transitions ----------------------------------------------------
+
+event_data = st.one_of(
+    st.none(),
+    st.integers(-5, 5),
+    st.text(max_size=3),
+    st.lists(st.integers(0, 5), max_size=3),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "prompt_ids": st.none() | st.lists(st.integers(0, 99), max_size=6),
+            "response_ids": st.none() | st.lists(st.integers(0, 99), max_size=6),
+            "value": st.none()
+            | st.booleans()
+            | st.integers(-3, 3)
+            | st.floats(-2, 2)
+            | st.text(max_size=2),
+        },
+    ),
+)
+events_in = st.lists(
+    st.tuples(
+        st.integers(1, 2),
+        st.sampled_from(["model_request", "model_request_failed", "reward", "custom"]),
+        event_data,
+    ),
+    max_size=25,
+)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(events=events_in)
+def test_summaries_kept_as_appended_equal_those_built_from_an_old_store(
+    tmp_path: Path, events: list[tuple[int, str, Any]]
+) -> None:
+    """What append_events keeps, and what a store made before summaries gets from its
+    events when opened (SQL over the stored JSON), are the same numbers, and the same
+    reward as the trainer reads (the last reward event's number)."""
+    path = tmp_path / f"{uuid.uuid4().hex}.db"
+
+    async def write() -> list[Any]:
+        store = SqliteStore(path)
+        await store.create_rollouts([RolloutSpec(rollout_id="r")], 1.0)
+        for i, (attempt, kind, data) in enumerate(events):
+            await store.append_events("r", attempt, [EventIn(type=kind, data=data)], 2.0 + i)
+        kept = await store.summaries("r")
+        await store.close()
+        return kept
+
+    kept = asyncio.run(write())
+    for attempt in (1, 2):
+        mine = [(k, d) for a, k, d in events if a == attempt]
+        summary = next((s for s in kept if s.attempt == attempt), None)
+        assert (summary is None) == (not mine)
+        if summary is None:
+            continue
+        rewards = [d for k, d in mine if k == "reward"]
+        last = rewards[-1] if rewards else None
+        value = last.get("value") if isinstance(last, dict) else None
+        assert summary.reward == (float(value) if isinstance(value, int | float) else None)
+        assert summary.calls == sum(k == "model_request" for k, _ in mine)
+
+    with sqlite3.connect(path) as db:  # back to the schema before summaries
+        db.execute("DROP TABLE attempt_summaries")
+        db.execute("DROP TABLE transitions")
+        db.execute("DELETE FROM meta")
+
+    async def reopen() -> tuple[list[Any], str | None]:
+        store = SqliteStore(path)
+        built = await store.summaries("r")
+        since = await store.get_meta(HISTORY_SINCE)
+        await store.close()
+        return built, since
+
+    built, since = asyncio.run(reopen())
+    assert built == kept
+    assert since is not None
+
+
+def test_status_history_is_recorded_with_each_change(
+    gateway: GatewayProcess, admin: GatewayClient
+) -> None:
+    rollout_id = f"h-{uuid.uuid4().hex[:8]}"
+    admin.create_rollouts([{"rollout_id": rollout_id, "group_id": "h", "max_attempts": 2}])
+    admin.patch_rollout(rollout_id, "running")
+    admin.patch_rollout(rollout_id, "running")  # a no-op: not a change
+    admin.patch_rollout(rollout_id, "failed", error="worker died")
+    admin.patch_rollout(rollout_id, "queuing", attempt=1)
+    admin.patch_rollout(rollout_id, "running")
+    admin.patch_rollout(rollout_id, "succeeded")
+    with ui_client(gateway) as client:
+        page = client.get(f"/ui/rollouts/{rollout_id}").text
+    table = page.split('id="history"')[1].split("</table>")[0]
+    rows = re.findall(r'<td class="num">(\d+)</td><td class="status-(\w+)">', table)
+    assert rows == [
+        ("1", "queuing"),
+        ("1", "running"),
+        ("1", "failed"),
+        ("2", "queuing"),
+        ("2", "running"),
+        ("2", "succeeded"),
+    ]
+    assert "worker died" in table
+
+
+def test_a_rollout_page_shows_calls_rewards_and_events_in_order(
+    gateway: GatewayProcess, admin: GatewayClient
+) -> None:
+    rollout_id = f"c-{uuid.uuid4().hex[:8]}"
+    admin.create_rollouts([{"rollout_id": rollout_id, "group_id": "c", "input": {"q": 1}}])
+    admin.patch_rollout(rollout_id, "running")
+    first = [{"role": "user", "content": "question one"}]
+    second = [
+        *first,
+        {"role": "assistant", "content": "answer one"},
+        {"role": "user", "content": "two"},
+    ]
+    admin.post_events(
+        rollout_id,
+        1,
+        [
+            call_event([1, 2], [3, 4], messages=first, response="answer one", policy_version=4),
+            call_event([1, 2], [5], messages=first, response="retried"),  # same prompt
+            EventIn(type="tool_result", data={"ok": True}),
+            call_event([1, 2, 5, 9], [6], messages=second, response="answer two"),
+            EventIn(type="reward", data={"value": 0.25}),
+        ],
+    )
+    with ui_client(gateway) as client:
+        page = client.get(f"/ui/rollouts/{rollout_id}").text
+    kinds = re.findall(r'class="item kind-(\w+)"', page)
+    assert kinds == ["call", "call", "event", "call", "reward"]
+    assert page.index("question one") < page.index("tool_result") < page.index("answer two")
+    assert "retried: a later call has the same prompt" in page
+    assert "call 0" in page and "call 1" in page  # the kept calls, as samples number them
+    assert "policy version: <b>4</b>" in page
+    assert page.count("1 earlier message as in the call before") == 2
+    assert page.count("question one") == 1  # not repeated with every call
+    assert "No run folder" in page
+
+
+def test_summaries_and_events_stay_consistent_under_concurrent_appends(tmp_path: Path) -> None:
+    """Group commit: many appends in one transaction each add once to the summary, and
+    a retried event id adds nothing."""
+
+    async def run() -> tuple[Any, int]:
+        store = SqliteStore(tmp_path / "c.db")
+        await store.create_rollouts([RolloutSpec(rollout_id="r")], 1.0)
+        batch = [call_event([i], [1, 2, 3]) for i in range(50)]
+        await asyncio.gather(
+            *(
+                store.append_events("r", 1, [e.model_copy(update={"event_id": f"e{i}"})], 2.0)
+                for i, e in enumerate(batch)
+            )
+        )
+        await store.append_events(
+            "r", 1, [batch[0].model_copy(update={"event_id": "e0"})], 3.0
+        )  # a retry
+        (summary,) = await store.summaries("r")
+        events = await store.list_events("r", EventQuery())
+        await store.close()
+        return summary, len(events)
+
+    summary, stored = asyncio.run(run())
+    assert stored == summary.events == summary.calls == 50
+    assert summary.tokens == 150 and summary.last_event_at == 2.0
+
+
+# -- a real browser over a real run ----------------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's (.ci/run installs it); never `playwright install`
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
+RUN_TOKEN = "ui-browser-test-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """Headless chromium. Missing or broken, the test fails (CI installs it) and says how
+    to get it, rather than skipping."""
+    from playwright.sync_api import Error, sync_playwright
+
+    if not Path(CHROMIUM).is_file():
+        pytest.fail(
+            f"no chromium at {CHROMIUM}: install Debian's (`apt-get install -y chromium`, as "
+            ".ci/run does); Playwright must not download a browser of its own"
+        )
+    with sync_playwright() as playwright:
+        try:
+            launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        except Error as error:
+            first = str(error).strip().splitlines()[0]
+            pytest.fail(f"chromium at {CHROMIUM} did not start headless: {first}")
+        yield launched
+        launched.close()
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real short ``agl.train`` run under merge=prefix: its tiny model's BPE-dropout
+    makes some prompts come back retokenized, which breaks samples."""
+    folder = tmp_path_factory.mktemp("ui") / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "agl.train",
+        "merge=prefix",
+        "trainer.steps=2",
+        "trainer.groups_per_step=4",
+        "trainer.group_size=8",
+        "trainer.val_every=1",
+        "trainer.val_size=4",
+        "task.warmup_options.steps=30",
+        "logging.wandb=false",
+        "logging.progress=false",
+        f"hydra.run.dir={folder}",
+    ]
+    subprocess.run(command, check=True, timeout=600, env={**os.environ, "WANDB_MODE": "offline"})
+    return folder
+
+
+def retokenized(gateway: GatewayProcess, run: Path) -> list[tuple[Any, Any]]:
+    """The rollouts with a break whose two sides spell the same text, found here with
+    ``agl.core.explain`` over the events as the API gives them: (rollout, break)."""
+    from agl.core.explain import calls_from_events, explain
+    from agl.runs import load_run
+
+    info = load_run(run)
+    merge, decode = info.merge(), info.decode_token()
+    found = []
+    with GatewayClient(gateway.url, gateway.token) as admin:
+        for rollout in admin.list_rollouts(mode="train"):
+            events = admin.get_events(rollout.rollout_id, attempt=rollout.attempt)
+            x = explain(calls_from_events(events), merge, decode)
+            found += [(rollout, b) for b in x.breaks if b.same_text]
+    return found
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_a_browser_clicks_from_the_list_to_a_break_and_its_group(
+    browser: Any, trained_run: Path, tmp_path: Path
+) -> None:
+    shots = Path(os.environ.get("AGL_UI_SCREENSHOTS", tmp_path))  # to look at them
+    from agl.ui.render import visible
+
+    assert (trained_run / "config.yaml").is_file()
+    with gateway_process(trained_run / "gateway", token=RUN_TOKEN) as gw:
+        candidates = retokenized(gw, trained_run)
+        assert candidates, "the run had no retokenization break to show"
+        rollout, detail = candidates[0]
+        first = common_prefix_len(detail.before_ids, detail.after_ids)
+
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        problems: list[str] = []
+        page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+        page.goto(f"{gw.url}/ui")
+        assert "/ui/login" in page.url
+        page.fill("#token", RUN_TOKEN)
+        page.click("button[type=submit]")
+        page.wait_for_url(f"{gw.url}/ui")
+        assert int(page.inner_text("#count").split()[0]) >= 64
+
+        # the list, narrowed to the rollout's group and sorted by turns, then a click
+        page.fill("input[name=group]", rollout.group_id)
+        page.select_option("select[name=sort]", "turns")
+        page.click("form.filters button[type=submit]")
+        page.wait_for_url("**sort=turns**")
+        ids = page.locator("a.rollout").all_inner_texts()
+        assert rollout.rollout_id in ids and all(i.startswith(rollout.group_id) for i in ids)
+        page.click(f"a.rollout:text-is('{rollout.rollout_id}')")
+        page.wait_for_url(f"**/ui/rollouts/{rollout.rollout_id}")
+
+        shown = page.locator(".break[data-reason=response_retokenized]").filter(
+            has=page.locator(".same-text")
+        )
+        assert shown.count() >= 1
+        box = shown.first
+        differing = box.locator(".tok.diff").all_inner_texts()
+        assert differing == [visible(detail.before[first]), visible(detail.after[first])]
+        before_split = box.locator(".split-before").inner_text()
+        after_split = box.locator(".split-after").inner_text()
+        assert before_split != after_split
+        assert before_split.replace("|", "") == after_split.replace("|", "")  # same text
+        assert page.locator("h3", has_text="Samples under merge=prefix").count() >= 1
+        shot = shots / "rollout.png"
+        page.screenshot(path=str(shot), full_page=True)
+        width, height = png_size(shot.read_bytes())
+        assert width >= 1000 and height >= 800 and shot.stat().st_size > 20_000
+
+        page.click("#group-link")
+        page.wait_for_url("**/ui/groups/**")
+        rows = page.locator("#group-table tbody tr")
+        assert rows.count() == 8
+        assert page.locator("#group-table th", has_text="advantage (sample level)").count() == 1
+        group_shot = shots / "group.png"
+        page.screenshot(path=str(group_shot), full_page=True)
+        assert png_size(group_shot.read_bytes())[0] >= 1000
+        assert not problems, problems  # e.g. the stylesheet refused by the page's CSP
+        page.close()
