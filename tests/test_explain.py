@@ -224,6 +224,16 @@ def test_calls_from_events_reads_the_last_attempt_in_order() -> None:
     assert calls_from_events([]) == []
 
 
+def test_calls_from_events_checks_ids_against_the_text_given_a_decoder() -> None:
+    """As the trainer does with the policy's tokenizer: ids that do not spell the answer
+    the harness got are left out."""
+    told = {**request([9, 1], [1, 2]), "response": "ab"}
+    lied = {**request([9, 1, 1, 2, 8], [3]), "response": "ab"}  # id 3 is "c"
+    events = [event(1, 1, "model_request", told), event(1, 2, "model_request", lied)]
+    assert len(calls_from_events(events)) == 2
+    assert calls_from_events(events, decode=decode) == [ModelCall([9, 1], [1, 2], [-0.25] * 2)]
+
+
 def test_a_call_without_response_tokens_is_refused() -> None:
     with pytest.raises(ValueError, match="no response tokens"):
         explain([ModelCall([1], [2], [0.0]), ModelCall([1, 2, 3], [], [])], get("merge", "prefix"))

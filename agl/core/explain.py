@@ -23,8 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from agl.core import calls as recorded_calls
-from agl.core.calls import dedup
+from agl.core.calls import dedup, read_calls
 from agl.core.merging import common_prefix_len
 from agl.core.records import Event
 from agl.core.types import BreakReason, ModelCall, Sample
@@ -72,12 +71,18 @@ class Explanation:
     stitches: list[Stitch]
 
 
-def calls_from_events(events: Sequence[Event], attempt: int | None = None) -> list[ModelCall]:
-    """The calls the trainer reads for a rollout: the ``model_request`` events of
-    ``attempt`` (default: the last attempt that has events), in order, not deduplicated."""
+def calls_from_events(
+    events: Sequence[Event],
+    attempt: int | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+) -> list[ModelCall]:
+    """The calls the trainer reads for a rollout: the valid ``model_request`` events of
+    ``attempt`` (default: the last attempt that has events), in order, not deduplicated.
+    ``decode`` (the policy's tokenizer, as the trainer has it) also leaves out calls whose
+    ids do not decode to the text the harness got."""
     if attempt is None:
         attempt = max((e.attempt for e in events), default=0)
-    return recorded_calls.calls_from_events(e for e in events if e.attempt == attempt)
+    return read_calls((e for e in events if e.attempt == attempt), decode).calls
 
 
 def explain(
