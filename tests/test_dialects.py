@@ -16,13 +16,14 @@ import anthropic
 import httpx2
 import openai
 import pytest
+from anthropic.lib.streaming._messages import accumulate_event
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from agl.core.dialects import RESPONSES, Dialect, DialectError
+from agl.core.dialects import ANTHROPIC, RESPONSES, Dialect, DialectError
 
 RESPONSE_EVENT = TypeAdapter(ResponseStreamEvent)
 MESSAGE_EVENT = TypeAdapter(anthropic.types.RawMessageStreamEvent)
@@ -696,7 +697,7 @@ def test_responses_through_the_openai_client() -> None:
     with pytest.raises(openai.BadRequestError) as raised:
         client.responses.create(model="m", input="x", tools=[{"type": "web_search"}])
     assert raised.value.type == "invalid_request_error"
-    assert "tools of type 'web_search'" in raised.value.body["message"]  # type: ignore[index]
+    assert "tools of type 'web_search'" in str(raised.value.body)
 
 
 @pytest.mark.parametrize(
@@ -751,3 +752,551 @@ def test_responses_any_chunking_adds_up_to_the_unary_answer(
 ) -> None:
     answer, cuts = case
     responses_both(REQUEST, answer, **cuts)
+
+
+# --- Anthropic: requests -----------------------------------------------------------------
+
+
+def messages_request(**fields: Any) -> dict[str, Any]:
+    return {
+        "model": "claude-local",
+        "max_tokens": 1024,
+        "messages": [{"role": "user", "content": "Hi"}],
+        **fields,
+    }
+
+
+def test_anthropic_every_block_kind(ignored_log: Callable[[], list[str]]) -> None:
+    body = messages_request(
+        system=[
+            {
+                "type": "text",
+                "text": "You are Claude Code.",
+                "cache_control": {"type": "ephemeral"},
+            },
+            {"type": "text", "text": "Be brief."},
+        ],
+        messages=[
+            {"role": "user", "content": "List files."},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "Use ls.", "signature": "sig"},
+                    {"type": "redacted_thinking", "data": "xyz"},
+                    {"type": "text", "text": "Listing."},
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_1",
+                        "name": "Bash",
+                        "input": {"command": "ls"},
+                    },
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_2",
+                        "name": "Bash",
+                        "input": {"command": "pwd", "n": 1},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.py\nb.py"},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_2",
+                        "content": [
+                            {"type": "text", "text": "no such"},
+                            {"type": "text", "text": "dir"},
+                        ],
+                        "is_error": True,
+                        "cache_control": {"type": "ephemeral"},
+                    },
+                    {"type": "text", "text": "<system-reminder>x</system-reminder>"},
+                    {"type": "text", "text": "Go on."},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_3", "name": "Noop", "input": {}}],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_3"}]},
+        ],
+    )
+    assert ANTHROPIC.to_chat(body)["messages"] == [
+        {"role": "system", "content": "You are Claude Code.\nBe brief."},
+        {"role": "user", "content": "List files."},
+        {
+            "role": "assistant",
+            "content": "Listing.",
+            "tool_calls": [
+                call("Bash", '{"command": "ls"}', "toolu_1"),
+                call("Bash", '{"command": "pwd", "n": 1}', "toolu_2"),
+            ],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "a.py\nb.py"},
+        {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no such\ndir"},
+        {"role": "user", "content": "<system-reminder>x</system-reminder>\nGo on."},
+        {"role": "assistant", "content": None, "tool_calls": [call("Noop", "{}", "toolu_3")]},
+        {"role": "tool", "tool_call_id": "toolu_3", "content": ""},
+    ]
+    (line,) = ignored_log()
+    for name in ("cache_control", "redacted_thinking blocks", "thinking blocks"):
+        assert name in line
+
+
+def test_anthropic_tools_and_options(ignored_log: Callable[[], list[str]]) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"command": {"type": "string"}},
+        "required": ["command"],
+    }
+    body = messages_request(
+        system="Be Claude.",
+        tools=[
+            {
+                "name": "Bash",
+                "description": "Run a command.",
+                "input_schema": schema,
+                "cache_control": {"type": "ephemeral"},
+            },
+            {"type": "custom", "name": "Noop", "input_schema": {"type": "object"}},
+        ],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        stop_sequences=["###"],
+        temperature=0.7,
+        top_p=0.95,
+        top_k=40,
+        stream=True,
+        metadata={"user_id": "u"},
+        thinking={"type": "enabled", "budget_tokens": 2000},
+        output_config={"format": {"type": "json_schema", "schema": schema}, "effort": "high"},
+    )
+    chat = ANTHROPIC.to_chat(body)
+    assert chat == {
+        "model": "claude-local",
+        "messages": [
+            {"role": "system", "content": "Be Claude."},
+            {"role": "user", "content": "Hi"},
+        ],
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "Bash", "parameters": schema, "description": "Run a command."},
+            },
+            {"type": "function", "function": {"name": "Noop", "parameters": {"type": "object"}}},
+        ],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 1024,
+        "temperature": 0.7,
+        "top_p": 0.95,
+        "stop": ["###"],
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": schema},
+        },
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    (line,) = ignored_log()
+    for name in ("cache_control", "metadata", "output_config.effort", "thinking", "top_k"):
+        assert name in line
+
+
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [
+        ({"type": "auto"}, {"tool_choice": "auto"}),
+        ({"type": "none"}, {"tool_choice": "none"}),
+        (
+            {"type": "tool", "name": "Bash"},
+            {"tool_choice": {"type": "function", "function": {"name": "Bash"}}},
+        ),
+        (
+            {"type": "auto", "disable_parallel_tool_use": True},
+            {"tool_choice": "auto", "parallel_tool_calls": False},
+        ),
+    ],
+)
+def test_anthropic_tool_choice(choice: dict[str, Any], expected: dict[str, Any]) -> None:
+    tools = [{"name": "Bash", "input_schema": {"type": "object"}}]
+    chat = ANTHROPIC.to_chat(messages_request(tools=tools, tool_choice=choice))
+    assert {k: chat[k] for k in expected} == expected
+    assert ("parallel_tool_calls" in chat) == ("parallel_tool_calls" in expected)
+
+
+def test_anthropic_prefill_continues_the_last_assistant_message() -> None:
+    messages = [{"role": "user", "content": "JSON please"}, {"role": "assistant", "content": "{"}]
+    chat = ANTHROPIC.to_chat(messages_request(messages=messages))
+    assert chat["messages"][-1] == {"role": "assistant", "content": "{"}
+    assert chat["continue_final_message"] is True and chat["add_generation_prompt"] is False
+    assert "continue_final_message" not in ANTHROPIC.to_chat(messages_request())
+
+
+def test_anthropic_count_tokens_request() -> None:
+    body = {
+        "model": "claude-local",
+        "system": "S",
+        "messages": [{"role": "user", "content": "Hi"}],
+    }
+    body["tools"] = [{"name": "Bash", "input_schema": {"type": "object"}}]
+    chat = ANTHROPIC.count_tokens_request(body)
+    assert chat["messages"] == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Hi"},
+    ]
+    assert chat["tools"][0]["function"]["name"] == "Bash"
+    assert "max_tokens" not in chat and "stream" not in chat
+    anthropic.types.MessageTokensCount.model_validate({"input_tokens": 12})  # the answer's shape
+
+
+def image(source: str = "base64") -> dict[str, Any]:
+    return {"type": "image", "source": {"type": source, "media_type": "image/png", "data": "iVBO"}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"max_tokens": None}, "max_tokens: a positive integer is required"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"messages": "Hi"}, "messages: a list of messages is required"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "unknown role 'system'"),
+        (
+            {"messages": [{"role": "user", "content": [image()]}]},
+            "messages[0].content[0]: 'image' blocks",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+            "'document' blocks",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": "t", "content": [image()]}
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[0].content[0]: 'image' blocks",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
+            "tool_use_id is missing",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {
+                                "type": "server_tool_use",
+                                "id": "s",
+                                "name": "web_search",
+                                "input": {},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "'server_tool_use' blocks",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}],
+                    }
+                ]
+            },
+            "input object",
+        ),
+        ({"system": [image()]}, "system[0]: 'image' blocks"),
+        (
+            {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+            "tools[0]: 'web_search_20250305' tools",
+        ),
+        ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "'bash_20250124' tools"),
+        (
+            {"tools": [{"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"}]},
+            "text_editor",
+        ),
+        ({"tools": [{"name": "Bash"}]}, "tools[0]: a tool needs a name and an input_schema"),
+        ({"tool_choice": {"type": "tool"}}, "tool_choice"),
+        ({"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}, "mcp_servers"),
+        ({"output_config": {"format": {"type": "xml"}}}, "output_config.format"),
+    ],
+)
+def test_anthropic_refuses_what_it_cannot_express(fields: dict[str, Any], says: str) -> None:
+    with pytest.raises(DialectError) as raised:
+        ANTHROPIC.to_chat(messages_request(**fields))
+    assert raised.value.status == 400
+    assert says in raised.value.message
+
+
+# --- Anthropic: answers ------------------------------------------------------------------
+
+
+def anthropic_stream(
+    request: dict[str, Any], chunks: list[dict[str, Any]]
+) -> tuple[anthropic.types.Message, list[dict[str, Any]]]:
+    """The message a stream adds up to with the SDK's accumulator, each event checked
+    with the SDK's types; the events."""
+    events = events_of(streamed(ANTHROPIC, request, chunks))
+    snapshot = None
+    json_bufs: dict[int, bytes] = {}
+    for event in events:
+        parsed = MESSAGE_EVENT.validate_python(event)
+        snapshot = accumulate_event(event=parsed, current_snapshot=snapshot, json_bufs=json_bufs)
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    starts = [e["index"] for e in events if e["type"] == "content_block_start"]
+    stops = [e["index"] for e in events if e["type"] == "content_block_stop"]
+    assert starts == stops == list(range(len(starts)))  # each block ends before the next
+    assert snapshot is not None
+    return anthropic.types.Message.model_validate(snapshot.model_dump()), events
+
+
+def anthropic_both(
+    request: dict[str, Any], answer: dict[str, Any], **cuts: Any
+) -> tuple[anthropic.types.Message, list[dict[str, Any]]]:
+    """The unary translation of ``answer``, checked to equal what its stream adds up to."""
+    unary = anthropic.types.Message.model_validate(
+        ANTHROPIC.from_chat(copy.deepcopy(answer), request)
+    )
+    final, events = anthropic_stream(request, chunks_of(answer, **cuts))
+    kept = upstream_ids(answer)
+
+    def comparable(message: anthropic.types.Message) -> dict[str, Any]:
+        dumped = message.model_dump(exclude={"id"}, exclude_none=True)
+        for block in dumped["content"]:
+            if block["type"] == "tool_use" and block["id"] not in kept:
+                assert block["id"].startswith("toolu_")
+                block["id"] = "made"
+        return dumped
+
+    assert comparable(final) == comparable(unary)
+    return unary, events
+
+
+CLAUDE = messages_request(tools=[{"name": "Bash", "input_schema": {"type": "object"}}], stream=True)
+
+
+def test_anthropic_text_answer() -> None:
+    unary, events = anthropic_both(CLAUDE, chat_answer("Hello there."), text_cuts=[2, 3])
+    assert unary.id.startswith("msg_") and unary.model == "claude-local"
+    assert [(b.type, getattr(b, "text", None)) for b in unary.content] == [("text", "Hello there.")]
+    assert unary.stop_reason == "end_turn" and unary.stop_sequence is None
+    assert (unary.usage.input_tokens, unary.usage.output_tokens) == (31, 17)
+    deltas = [e["delta"]["text"] for e in events if e["type"] == "content_block_delta"]
+    assert deltas == ["He", "l", "lo there."]
+
+
+def test_anthropic_tool_calls() -> None:
+    answer = chat_answer(
+        "Checking.",
+        [
+            call("Bash", '{"command": "ls"}', "chatcmpl-tool-a"),
+            call("Bash", '{"command":"pwd"}', None),
+        ],
+    )
+    unary, events = anthropic_both(CLAUDE, answer, argument_cuts=[[3, 9], [1]])
+    text, first, second = unary.content
+    assert text.type == "text" and text.text == "Checking."
+    assert first.type == "tool_use" and (first.id, first.name, first.input) == (
+        "chatcmpl-tool-a",
+        "Bash",
+        {"command": "ls"},
+    )
+    assert (
+        second.type == "tool_use"
+        and second.id.startswith("toolu_")
+        and second.input == {"command": "pwd"}
+    )
+    assert unary.stop_reason == "tool_use"
+    # A tool's input goes out whole, once its block ends.
+    partial = [
+        e["delta"]["partial_json"]
+        for e in events
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta"
+    ]
+    assert partial == ['{"command": "ls"}', '{"command": "pwd"}']
+
+
+def test_anthropic_tool_call_arguments_that_are_no_object() -> None:
+    calls = [
+        call("Bash", "{\"command\": 'ls'}", "t1"),
+        call("Bash", "[1]", "t2"),
+        call("Noop", "", "t3"),
+    ]
+    unary, _ = anthropic_both(CLAUDE, chat_answer(None, calls), argument_cuts=[[4]])
+    assert [getattr(b, "input", None) for b in unary.content] == [
+        {"_raw": "{\"command\": 'ls'}"},
+        {"_raw": "[1]"},
+        {},
+    ]
+
+
+def test_anthropic_forced_tool_call_ends_in_tool_use() -> None:
+    # vLLM ends a required or named tool call with finish_reason "stop".
+    unary, _ = anthropic_both(CLAUDE, chat_answer(None, [call("Bash", "{}")], finish_reason="stop"))
+    assert unary.stop_reason == "tool_use"
+
+
+def test_anthropic_length_cut_and_stop_sequence() -> None:
+    unary, _ = anthropic_both(CLAUDE, chat_answer("Partial", finish_reason="length"), text_cuts=[3])
+    assert unary.stop_reason == "max_tokens"
+    unary, _ = anthropic_both(
+        CLAUDE, chat_answer("x", [call("Bash", '{"a": ')], finish_reason="length")
+    )
+    assert unary.stop_reason == "max_tokens"
+    request = {**CLAUDE, "stop_sequences": ["###", "END"]}
+    unary, _ = anthropic_both(request, chat_answer("Done", stop_reason="END"))
+    assert (unary.stop_reason, unary.stop_sequence) == ("stop_sequence", "END")
+    # A stop string the harness did not ask for (a template's own) is an ordinary end.
+    unary, _ = anthropic_both(request, chat_answer("Done", stop_reason="<|im_end|>"))
+    assert (unary.stop_reason, unary.stop_sequence) == ("end_turn", None)
+
+
+def test_anthropic_usage() -> None:
+    usage = {**USAGE, "prompt_tokens_details": {"cached_tokens": 20}}
+    unary, _ = anthropic_both(CLAUDE, chat_answer("ok", usage=usage))
+    assert (unary.usage.input_tokens, unary.usage.cache_read_input_tokens) == (11, 20)
+    unary, _ = anthropic_both(CLAUDE, chat_answer("ok", usage=None))
+    assert (unary.usage.input_tokens, unary.usage.output_tokens) == (0, 0)
+    # vLLM's first chunk carries the prompt's ids: message_start knows the prompt's size.
+    chunks = chunks_of(chat_answer("ok"))
+    chunks[0]["prompt_token_ids"] = list(range(31))
+    _, events = anthropic_stream(CLAUDE, chunks)
+    assert events[0]["message"]["usage"]["input_tokens"] == 31
+
+
+def test_anthropic_empty_answer() -> None:
+    unary, events = anthropic_both(CLAUDE, chat_answer(""))
+    assert unary.content == [] and unary.stop_reason == "end_turn"
+    assert [e["type"] for e in events] == ["message_start", "message_delta", "message_stop"]
+
+
+@SPLITS
+@given(split_answers())
+def test_anthropic_any_chunking_adds_up_to_the_unary_answer(
+    case: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    answer, cuts = case
+    anthropic_both(CLAUDE, answer, **cuts)
+
+
+def test_anthropic_through_the_anthropic_client() -> None:
+    seen: list[dict[str, Any]] = []
+    answer = chat_answer("Let me look.", [call("Bash", '{"command": "ls"}', "chatcmpl-tool-7")])
+    client = anthropic_client(serve(ANTHROPIC, answer, seen))
+    tools: list[Any] = [{"name": "Bash", "description": "Run.", "input_schema": {"type": "object"}}]
+    history: list[Any] = [
+        {"role": "user", "content": "What is here?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": "toolu_0", "name": "Bash", "input": {"command": "pwd"}}
+            ],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_0", "content": "/work"}],
+        },
+    ]
+    message = client.messages.create(
+        model="claude-local",
+        max_tokens=512,
+        system="Be Claude.",
+        messages=history,
+        tools=tools,
+    )
+    assert [b.type for b in message.content] == [
+        "text",
+        "tool_use",
+    ] and message.stop_reason == "tool_use"
+    assert [m["role"] for m in seen[0]["chat"]["messages"]] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+    ]
+
+    texts: list[str] = []
+    with client.messages.stream(
+        model="claude-local",
+        max_tokens=512,
+        system="Be Claude.",
+        messages=history,
+        tools=tools,
+    ) as stream:
+        texts.extend(stream.text_stream)
+        final = stream.get_final_message()
+    assert "".join(texts) == "Let me look." and len(texts) == 3
+    assert final.model_dump(exclude={"id"}, exclude_none=True) == message.model_dump(
+        exclude={"id"}, exclude_none=True
+    )
+
+    with_image: list[Any] = [{"role": "user", "content": [image()]}]
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        client.messages.create(model="m", max_tokens=9, messages=with_image)
+    assert raised.value.type == "invalid_request_error"
+    assert "'image' blocks cannot be translated" in (raised.value.api_message or "")
+
+
+def test_anthropic_stream_failure_reaches_the_client() -> None:
+    def handle(request: httpx2.Request) -> httpx2.Response:
+        translator = ANTHROPIC.stream(json.loads(request.content))
+        raw = translator.feed(chunks_of(chat_answer("Hi"))[1]) + translator.fail(
+            502, "the endpoint broke"
+        )
+        return httpx2.Response(
+            200, content=b"".join(raw), headers={"content-type": "text/event-stream"}
+        )
+
+    client = anthropic_client(handle)
+    messages: list[Any] = [{"role": "user", "content": "x"}]
+    with (
+        pytest.raises(anthropic.APIStatusError) as raised,
+        client.messages.stream(model="m", max_tokens=9, messages=messages) as stream,
+    ):
+        list(stream)
+    assert raised.value.type == "api_error" and raised.value.api_message == "the endpoint broke"
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "kind"),
+    [
+        (400, anthropic.BadRequestError, "invalid_request_error"),
+        (401, anthropic.AuthenticationError, "authentication_error"),
+        (403, anthropic.PermissionDeniedError, "permission_error"),
+        (404, anthropic.NotFoundError, "not_found_error"),
+        (413, anthropic.APIStatusError, "invalid_request_error"),
+        (429, anthropic.RateLimitError, "rate_limit_error"),
+        (500, anthropic.InternalServerError, "api_error"),
+        (502, anthropic.InternalServerError, "api_error"),
+        (529, anthropic.OverloadedError, "overloaded_error"),
+    ],
+)
+def test_anthropic_error_body(
+    status: int, error: type[anthropic.APIStatusError], kind: str
+) -> None:
+    body = ANTHROPIC.error_body(status, "it went wrong")
+    anthropic.types.ErrorResponse.model_validate(body)
+    client = anthropic_client(lambda _: httpx2.Response(status, json=body))
+    with pytest.raises(error) as raised:
+        client.messages.create(model="m", max_tokens=9, messages=[{"role": "user", "content": "x"}])
+    assert raised.value.status_code == status and raised.value.type == kind
+    assert raised.value.api_message == "it went wrong"
+
+
+@pytest.mark.parametrize("dialect", [RESPONSES, ANTHROPIC], ids=["responses", "anthropic"])
+def test_a_body_that_is_no_object(dialect: Dialect) -> None:
+    with pytest.raises(DialectError, match="is a JSON object") as raised:
+        dialect.to_chat([1, 2])  # type: ignore[arg-type]
+    assert raised.value.status == 400

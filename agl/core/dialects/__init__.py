@@ -3,6 +3,7 @@ completions request and the chat answer (whole, or a stream of chunks) back into
 answer, so a harness that speaks it can use the recording proxy.
 
 - :data:`RESPONSES`: OpenAI's Responses API (``POST /v1/responses``; Codex CLI).
+- :data:`ANTHROPIC`: Anthropic's Messages API (``POST /v1/messages``; Claude Code).
 
 No I/O but a log line, no state between calls (a stream translator holds one answer's).
 """
@@ -10,6 +11,7 @@ No I/O but a log line, no state between calls (a stream translator holds one ans
 from __future__ import annotations
 
 from agl.core.dialects._base import Dialect, DialectError, StreamTranslator
+from agl.core.dialects.anthropic import ANTHROPIC
 from agl.core.dialects.responses import RESPONSES
 
-__all__ = ["RESPONSES", "Dialect", "DialectError", "StreamTranslator"]
+__all__ = ["ANTHROPIC", "RESPONSES", "Dialect", "DialectError", "StreamTranslator"]

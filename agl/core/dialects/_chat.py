@@ -139,10 +139,12 @@ class ChunkReader:
 
     def _text(self, text: str) -> list[Piece]:
         pieces: list[Piece] = []
-        if self._open is None or self._open.kind != "text":
+        block = self._open
+        if block is None or block.kind != "text":
             pieces += self._close()
-            pieces += self._begin(Block("text"))
-        self._open.text += text  # type: ignore[union-attr]
+            block = Block("text")
+            pieces += self._begin(block)
+        block.text += text
         pieces.append(Delta(text))
         return pieces
 

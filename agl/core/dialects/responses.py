@@ -74,6 +74,8 @@ class Responses:
     name = NAME
 
     def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise DialectError(400, "a response request is a JSON object")
         for key, message in _STATEFUL.items():
             if body.get(key):
                 raise DialectError(400, message)
@@ -242,7 +244,7 @@ def _text(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        key = _TEXT_PARTS.get(kind)  # type: ignore[arg-type]
+        key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if key is None or not isinstance(part.get(key), str):
             raise DialectError(
                 400,
