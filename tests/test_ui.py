@@ -747,3 +747,55 @@ def test_a_browser_clicks_from_the_list_to_a_break_and_its_group(
         assert png_size(group_shot.read_bytes())[0] >= 1000
         assert not problems, problems  # e.g. the stylesheet refused by the page's CSP
         page.close()
+
+
+def test_under_stitch_the_rollout_page_shows_where_a_prompt_was_changed(
+    trained_run: Path, tmp_path: Path
+) -> None:
+    """The same recorded run, viewed as if it had trained with merge=stitch (``ui_run``
+    names a copy of its folder whose config says so): a retokenized response is replaced by
+    the sampled tokens, and the page shows the prompt as recorded and as trained."""
+    import yaml
+
+    folder = tmp_path / "as-stitch"
+    folder.mkdir()
+    config = yaml.safe_load((trained_run / "config.yaml").read_text())
+    config["merge"] = {"name": "stitch"}
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    with gateway_process(trained_run / "gateway", token=RUN_TOKEN, ui_run=folder) as gw:
+        rollout, _ = retokenized(gw, trained_run)[0]
+        with ui_client(gw) as client:
+            page = client.get(f"/ui/rollouts/{rollout.rollout_id}").text
+    assert "Samples under merge=stitch" in page
+    stitched = page.split('class="break stitch"')[1:]
+    assert stitched, "no stitched call shown"
+    assert stitched[0].count('class="tok diff"') == 2  # recorded vs trained, first difference
+    assert "run " + str(folder) in html.unescape(page)
+
+
+def test_the_agent_log_is_the_attempts_files_and_the_worker_lines_naming_the_rollout(
+    tmp_path: Path,
+) -> None:
+    from agl.ui.agentlog import agent_log
+
+    (tmp_path / "attempts").mkdir()
+    (tmp_path / "attempts" / "t0.1.3.2.err").write_text("second attempt's stderr\n")
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "workers" / "worker-0.log").write_text(
+        "2026-11-30 14:09:26,236 INFO worker: ready\n"
+        "2026-11-30 14:09:26,445 INFO httpx: POST /proxy/rollout/t0.1.3/attempt/1/mode/train\n"
+        "2026-11-30 14:09:26,446 INFO httpx: POST /proxy/rollout/t0.1.30/attempt/1/mode/train\n"
+        "2026-11-30 14:09:27,000 ERROR worker: rollout t0.1.3 attempt 2: harness raised\n"
+        "Traceback (most recent call last):\n"
+        '  File "harness.py", line 3, in run\n'
+        "ValueError: boom\n"
+        "2026-11-30 14:09:28,000 INFO worker: rollout t0.1.31 done\n"
+        "2026-11-30 14:09:29,000 INFO worker: finished t0.1.3.\n"
+    )
+    parts = agent_log(tmp_path, "t0.1.3", attempts=2)
+    assert [p.source for p in parts] == ["attempts/t0.1.3.2.err", "workers/worker-0.log"]
+    assert parts[0].lines == ["second attempt's stderr"]
+    lines = parts[1].lines
+    assert len(lines) == 6 and "ValueError: boom" in lines
+    assert not any("t0.1.30" in line or "t0.1.31" in line for line in lines)
+    assert agent_log(tmp_path, "t0.1", attempts=1) == []
