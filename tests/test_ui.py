@@ -564,18 +564,21 @@ def test_a_rollout_page_shows_calls_rewards_and_events_in_order(
             call_event([1, 2], [5], messages=first, response="retried"),  # same prompt
             EventIn(type="tool_result", data={"ok": True}),
             call_event([1, 2, 5, 9], [6], messages=second, response="answer two"),
+            call_event([1, 2, 5, 9, 6], [], messages=second, response=""),  # no token ids
             EventIn(type="reward", data={"value": 0.25}),
         ],
     )
     with ui_client(gateway) as client:
         page = client.get(f"/ui/rollouts/{rollout_id}").text
     kinds = re.findall(r'class="item kind-(\w+)"', page)
-    assert kinds == ["call", "call", "event", "call", "reward"]
+    assert kinds == ["call", "call", "event", "call", "call", "reward"]
+    assert "left out: no_response_ids" in page  # as the trainer reads calls
     assert page.index("question one") < page.index("tool_result") < page.index("answer two")
     assert "retried: a later call has the same prompt" in page
     assert "call 0" in page and "call 1" in page  # the kept calls, as samples number them
     assert "policy version: <b>4</b>" in page
     assert page.count("1 earlier message as in the call before") == 2
+    assert "3 earlier messages as in the call before" in page
     assert page.count("question one") == 1  # not repeated with every call
     assert "No run folder" in page
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agl.core.assemble import FinishedRollout, assemble
+from agl.core.assemble import FinishedRollout, MergeStrategy, assemble
 from agl.core.explain import calls_from_events
 from agl.core.records import Event, Rollout, Status
 from agl.core.store import Summary
@@ -30,7 +30,7 @@ class Card:
 def cards(
     rows: Sequence[tuple[Rollout, Summary | None]],
     events: Mapping[str, Sequence[Event]],
-    merge: Callable[..., list[Any]] | None,
+    merge: MergeStrategy | None,
     advantages: Mapping[str, Advantage],
 ) -> list[Card]:
     """One card per rollout; ``events`` holds the current attempt's events of those
@@ -39,6 +39,7 @@ def cards(
     as the trainer does (``agl.core.assemble``) over the group's finished rollouts."""
     out = []
     finished = []
+    decode = None if merge is None else merge.decode  # the trainer's check of ids vs text
     for rollout, summary in rows:
         card = Card(rollout, summary)
         evs = events.get(rollout.rollout_id, [])
@@ -53,7 +54,7 @@ def cards(
                     rollout.mode,
                     rollout.status,
                     reward,
-                    calls_from_events(evs, rollout.attempt),
+                    calls_from_events(evs, rollout.attempt, decode),
                     rollout.error,
                 )
             )

@@ -374,13 +374,16 @@ def _rollout_page(
     truncated = len(events) > MAX_EVENTS
     events = events[:MAX_EVENTS]
     explained: dict[int, Explained] = {}
+    decode = None
     info = run.info()
     if info is not None:
-        merge_name = info.choices["merge"]
         merge = info.merge()
-        decode = info.decode_token()
+        decode = merge.decode
+        decode_token = info.decode_token()
         for attempt in sorted({e.attempt for e in events if e.type == views.MODEL_REQUEST}):
-            explained[attempt] = explain_attempt(events, attempt, merge_name, merge, decode)
+            explained[attempt] = explain_attempt(
+                events, attempt, info.choices["merge"], merge, decode_token
+            )
     incomplete = history_since is not None and rollout.created_at < float(history_since)
     return render(
         "rollout.html",
@@ -390,7 +393,7 @@ def _rollout_page(
         duration=views.duration(rollout),
         history=views.history(rollout, transitions, complete=not incomplete),
         history_incomplete=incomplete,
-        attempts=views.attempts(rollout, events, summaries),
+        attempts=views.attempts(rollout, events, summaries, decode),
         truncated=truncated,
         max_events=MAX_EVENTS,
         explained=explained,

@@ -8,7 +8,8 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from agl.core.explain import BreakDetail, Merge, Stitch, calls_from_events, explain
+from agl.core.assemble import MergeStrategy
+from agl.core.explain import BreakDetail, Stitch, calls_from_events, explain
 from agl.core.merging import common_prefix_len
 from agl.core.records import Event
 
@@ -70,10 +71,12 @@ def explain_attempt(
     events: Sequence[Event],
     attempt: int,
     merge_name: str,
-    merge: Merge,
+    merge: MergeStrategy,
     decode_token: Callable[[int], str] | None,
 ) -> Explained:
-    calls = calls_from_events(events, attempt)
+    # The trainer leaves out calls whose ids do not decode to the text, with the tokenizer
+    # the run's merge strategy holds.
+    calls = calls_from_events(events, attempt, merge.decode)
     try:
         x = explain(calls, merge, decode_token, window=WINDOW)
     except Exception as error:

@@ -7,14 +7,16 @@ never markup. The templates escape it (Jinja2 autoescape); nothing here marks te
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from agl.core.calls import dedup, read_calls
 from agl.core.records import Event, Rollout, Status
 from agl.core.store import Summary, Transition
+from agl.core.types import ModelCall
 
 MODEL_REQUEST = "model_request"
 MODEL_REQUEST_FAILED = "model_request_failed"
@@ -110,7 +112,7 @@ class Item:
     offset_s: float  # since the attempt's first event
     type: str
     # A call's index among the calls the trainer keeps (the samples' call numbers), or
-    # why it has none: "retried" (a later call has the same prompt), "no token ids".
+    # why it has none (see ``_calls``).
     call: int | None = None
     dropped: str = ""
     earlier: int = 0  # leading messages equal to the previous call's, not shown again
@@ -130,14 +132,16 @@ _CALL_FIELDS = (
 )
 
 
-def timeline(events: Sequence[Event]) -> list[Item]:
+def timeline(
+    events: Sequence[Event], decode: Callable[[list[int]], str] | None = None
+) -> list[Item]:
     """One attempt's events in order. A call shows only the messages that were not in
     the previous call's prompt: a harness resends the whole history on every turn, and
     showing it each time makes a long rollout's page quadratic in its length."""
     items: list[Item] = []
     previous: list[Any] = []
     ordered = sorted(events, key=lambda e: e.sequence)
-    kept = _kept_calls(ordered)
+    kept, left_out = _calls(ordered, decode)
     start = min((e.time for e in events), default=0.0)
     for e in ordered:
         data = e.data if isinstance(e.data, dict) else {}
@@ -158,8 +162,7 @@ def timeline(events: Sequence[Event]) -> list[Item]:
             if e.type == MODEL_REQUEST:
                 item.kind = "call"
                 item.call = kept.get(e.sequence)
-                if item.call is None:
-                    item.dropped = "retried" if _trainable(data) else "no token ids"
+                item.dropped = left_out.get(e.sequence, "")
                 item.response = (
                     data.get("response") if isinstance(data.get("response"), str) else None
                 )
@@ -180,22 +183,34 @@ def timeline(events: Sequence[Event]) -> list[Item]:
     return items
 
 
-def _trainable(data: dict[str, Any]) -> bool:
-    """What ``agl.core.calls.calls_from_events`` keeps: a call with token ids."""
-    return bool(data.get("prompt_ids")) and bool(data.get("response_ids"))
-
-
-def _kept_calls(events: Sequence[Event]) -> dict[int, int]:
-    """Event sequence → index among the calls the trainer keeps: those with token ids,
-    and of calls with identical prompts the last (``agl.core.calls.dedup``)."""
-    calls = [
-        e
-        for e in events
-        if e.type == MODEL_REQUEST and isinstance(e.data, dict) and _trainable(e.data)
-    ]
-    last = {tuple(e.data["prompt_ids"]): i for i, e in enumerate(calls)}
-    kept = [e for i, e in enumerate(calls) if last[tuple(e.data["prompt_ids"])] == i]
-    return {e.sequence: index for index, e in enumerate(kept)}
+def _calls(
+    events: Sequence[Event], decode: Callable[[list[int]], str] | None
+) -> tuple[dict[int, int], dict[int, str]]:
+    """For each ``model_request`` event (by sequence), its index among the calls the
+    trainer keeps, or why it is left out: the reason ``agl.core.calls.read_calls`` gives
+    (with ``decode``, the run's tokenizer, as the trainer has it), or "retried" (a later
+    call has the same prompt: ``dedup``)."""
+    why: dict[int, str] = {}
+    valid: dict[int, ModelCall] = {}
+    for e in events:
+        if e.type != MODEL_REQUEST:
+            continue
+        if not isinstance(e.data, dict):
+            why[e.sequence] = "no data"
+            continue
+        read = read_calls([e], decode)
+        if read.calls:
+            valid[e.sequence] = read.calls[0]
+        else:
+            why[e.sequence] = next(iter(read.invalid))
+    kept = {id(c) for c in dedup(list(valid.values()))}
+    index: dict[int, int] = {}
+    for sequence, call in valid.items():
+        if id(call) in kept:
+            index[sequence] = len(index)
+        else:
+            why[sequence] = "retried"
+    return index, why
 
 
 def _shared_head(a: list[Any], b: list[Any]) -> int:
@@ -247,7 +262,10 @@ class AttemptView:
 
 
 def attempts(
-    rollout: Rollout, events: Sequence[Event], summaries: Sequence[Summary]
+    rollout: Rollout,
+    events: Sequence[Event],
+    summaries: Sequence[Summary],
+    decode: Callable[[list[int]], str] | None = None,
 ) -> list[AttemptView]:
     """Each attempt, latest first (the one the trainer reads)."""
     by_attempt: dict[int, list[Event]] = {}
@@ -255,6 +273,6 @@ def attempts(
         by_attempt.setdefault(e.attempt, []).append(e)
     summary = {s.attempt: s for s in summaries}
     return [
-        AttemptView(a, summary.get(a), timeline(by_attempt.get(a, [])))
+        AttemptView(a, summary.get(a), timeline(by_attempt.get(a, []), decode))
         for a in range(rollout.attempt, 0, -1)
     ]
