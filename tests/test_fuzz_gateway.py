@@ -389,7 +389,8 @@ def test_proxy_survives_odd_chat_calls(target: Target, body: bytes) -> None:
         assert response.text.rstrip().endswith("data: [DONE]"), response.text[-200:]
         choices = {
             orjson.loads(line[5:])["choices"][0]["index"]
-            for line in response.text.splitlines()
+            # Not splitlines(): JSON keeps U+2028, U+0085 and the like unescaped.
+            for line in response.text.split("\n")
             if line.startswith("data: {") and orjson.loads(line[5:]).get("choices")
         }
     else:

@@ -35,9 +35,10 @@ from agl import ui
 from agl.core.admission import AdmissionGate
 from agl.core.auth import Keyring, Principal, bearer
 from agl.core.cli import check_port
+from agl.core.dialects import ANTHROPIC, RESPONSES, Dialect
 from agl.core.errors import ApiError, error_response
 from agl.core.lifecycle import IllegalTransition
-from agl.core.proxy import RecordingProxy
+from agl.core.proxy import RecordingProxy, dialect_error
 from agl.core.records import (
     TERMINAL,
     Admission,
@@ -297,10 +298,21 @@ class BodyLimit:
 
 
 ADMISSION_META = "admission"  # the gate's last requested state, restored at start
-PROXY_CHAT = "/proxy/rollout/{rollout_id}/attempt/{attempt}/mode/{mode}/openai/v1/chat/completions"
+PROXY = "/proxy/rollout/{rollout_id}/attempt/{attempt}/mode/{mode}"
+PROXY_CHAT = PROXY + "/openai/v1/chat/completions"
+PROXY_RESPONSES = PROXY + "/openai/v1/responses"
+PROXY_MESSAGES = PROXY + "/anthropic/v1/messages"
 EVENTS = "/api/rollouts/{rollout_id}/attempt/{attempt}/events"
-_PROXY_CHAT = re.compile(
-    r"^/proxy/rollout/([^/]+)/attempt/(\d+)/mode/([^/]+)/openai/v1/chat/completions$"
+# The API a harness speaks, by the proxy path's tail: None is chat completions itself.
+DIALECTS: dict[str, Dialect | None] = {
+    "openai/v1/chat/completions": None,
+    "openai/v1/responses": RESPONSES,
+    "anthropic/v1/messages": ANTHROPIC,
+}
+_PROXY_CALL = re.compile(
+    r"^/proxy/rollout/([^/]+)/attempt/(\d+)/mode/([^/]+)/("
+    + "|".join(re.escape(tail) for tail in DIALECTS)
+    + ")$"
 )
 _EVENTS_PATH = re.compile(r"^/api/rollouts/([^/]+)/attempt/(\d+)/events$")
 
@@ -319,14 +331,14 @@ class FastLane:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             path = scope["path"]
-            if match := _PROXY_CHAT.match(path):
-                rollout_id, attempt, mode = match.groups()
+            if match := _PROXY_CALL.match(path):
+                rollout_id, attempt, mode, tail = match.groups()
                 await self._serve(
                     scope,
                     receive,
                     send,
-                    lambda request: self.gateway().proxy_chat(
-                        request, rollout_id, int(attempt), mode
+                    lambda request: self.gateway().proxy_call(
+                        request, rollout_id, int(attempt), mode, DIALECTS[tail]
                     ),
                 )
                 return
@@ -377,9 +389,16 @@ class Gateway:
     # -- auth ----------------------------------------------------------------------
 
     def principal(self, request: Request) -> Principal:
-        token = bearer(request.headers.get("authorization"))
-        if token is None:
-            raise ApiError(401, "missing 'Authorization: Bearer <token>' header")
+        # OpenAI SDKs send "Authorization: Bearer", Anthropic's "x-api-key", Azure's "api-key".
+        token = (
+            bearer(request.headers.get("authorization"))
+            or request.headers.get("x-api-key")
+            or request.headers.get("api-key")
+        )
+        if not token:
+            raise ApiError(
+                401, "missing key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
+            )
         principal = self.keyring.identify(token)
         if principal is None:
             raise ApiError(401, "invalid token")
@@ -454,9 +473,30 @@ class Gateway:
 
     # -- the hot routes (also served by FastLane) -----------------------------------
 
-    async def proxy_chat(
-        self, request: Request, rollout_id: str, attempt: int, mode: str
+    async def proxy_call(
+        self,
+        request: Request,
+        rollout_id: str,
+        attempt: int,
+        mode: str,
+        dialect: Dialect | None = None,
     ) -> Response:
+        """A harness's model call, in chat completions or in another API (``dialect``),
+        whose errors then come in that API's shape."""
+        try:
+            await self._check_live(request, rollout_id, attempt, mode)
+        except ApiError as error:
+            if dialect is None:
+                raise
+            response = dialect_error(dialect, error.status, error.message)
+            if isinstance(error, RateLimited):
+                response.headers.update(
+                    {k: v for k, v in error.response().headers.items() if "retry-after" in k}
+                )
+            return response
+        return await self.proxy.chat(rollout_id, attempt, mode, await request.body(), dialect)
+
+    async def _check_live(self, request: Request, rollout_id: str, attempt: int, mode: str) -> None:
         principal = self.for_attempt(request, rollout_id, attempt)
         rollout = await self.rollout(rollout_id)
         if rollout.status is not Status.RUNNING or attempt != rollout.attempt:
@@ -470,7 +510,6 @@ class Gateway:
             raise ApiError(
                 400, f"mode {mode!r} in the path does not match the rollout's mode {rollout.mode!r}"
             )
-        return await self.proxy.chat(rollout_id, attempt, mode, await request.body())
 
     async def post_events(self, request: Request, rollout_id: str, attempt: int) -> Response:
         principal = self.for_attempt(request, rollout_id, attempt)
@@ -698,7 +737,19 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
 
     @app.post(PROXY_CHAT)
     async def proxy_chat(request: Request, rollout_id: str, attempt: int, mode: str) -> Response:
-        return await gw().proxy_chat(request, rollout_id, attempt, mode)
+        return await gw().proxy_call(request, rollout_id, attempt, mode)
+
+    @app.post(PROXY_RESPONSES)
+    async def proxy_responses(
+        request: Request, rollout_id: str, attempt: int, mode: str
+    ) -> Response:
+        return await gw().proxy_call(request, rollout_id, attempt, mode, RESPONSES)
+
+    @app.post(PROXY_MESSAGES)
+    async def proxy_messages(
+        request: Request, rollout_id: str, attempt: int, mode: str
+    ) -> Response:
+        return await gw().proxy_call(request, rollout_id, attempt, mode, ANTHROPIC)
 
     @app.post(EVENTS, openapi_extra=body(_EVENTS))
     async def post_events(request: Request, rollout_id: str, attempt: int) -> Response:

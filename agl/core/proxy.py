@@ -33,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 
 from agl.core.admission import AdmissionGate, Ticket
 from agl.core.calls import invalid_reason
+from agl.core.dialects import Dialect, DialectError, StreamTranslator
 from agl.core.errors import ApiError, error_response
 from agl.core.records import EventIn, ModelEndpoint, storable
 from agl.core.store import PendingAnswer, Store
@@ -119,14 +120,97 @@ def _logprobs(choice: dict[str, Any]) -> list[Any]:
 
 
 @dataclass(frozen=True)
+class _ChatApi:
+    """The harness speaks chat completions: answers go back as the endpoint gave them,
+    less vLLM's additions (and the logprobs, unless the harness asked for them)."""
+
+    request: dict[str, Any]
+
+    name = "chat"
+
+    def answer(self, answer: dict[str, Any]) -> bytes:
+        return orjson.dumps(_for_harness(self.request, answer))
+
+    def stream(self) -> _ChatStream:
+        return _ChatStream(self.request)
+
+    def error(self, status: int, message: str, upstream_body: bytes | None = None) -> Response:
+        if upstream_body is not None and _is_json_object(upstream_body):
+            return Response(upstream_body, status_code=status, media_type="application/json")
+        return error_response(status, message)
+
+
+@dataclass(frozen=True)
+class _ChatStream:
+    request: dict[str, Any]
+
+    def feed(self, chunk: dict[str, Any]) -> list[bytes]:
+        return [b"data: " + orjson.dumps(_for_harness(self.request, chunk)) + b"\n\n"]
+
+    def finish(self) -> list[bytes]:
+        return [b"data: [DONE]\n\n"]
+
+    def fail(self, status: int, message: str) -> list[bytes] | None:
+        return None  # no error event in chat streams: the connection is cut short instead
+
+
+@dataclass(frozen=True)
+class _DialectApi:
+    """The harness speaks another API (Responses, Anthropic Messages): its request became
+    one chat request; answers and errors are translated back into its own shapes."""
+
+    dialect: Dialect
+    request: dict[str, Any]  # as the harness sent it
+
+    @property
+    def name(self) -> str:
+        return self.dialect.name
+
+    def answer(self, answer: dict[str, Any]) -> bytes:
+        return orjson.dumps(self.dialect.from_chat(answer, self.request))
+
+    def stream(self) -> StreamTranslator:
+        return self.dialect.stream(self.request)
+
+    def error(self, status: int, message: str, upstream_body: bytes | None = None) -> Response:
+        return dialect_error(self.dialect, status, message)
+
+
+def _for_harness(request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    for key in _EXTRA_TOP:
+        answer.pop(key, None)
+    keep_logprobs = bool(request.get("logprobs"))
+    for choice in answer.get("choices") or ():
+        for key in _EXTRA_CHOICE:
+            choice.pop(key, None)
+        if not keep_logprobs and "logprobs" in choice:
+            choice["logprobs"] = None
+    if isinstance(request.get("model"), str):
+        answer["model"] = request["model"]
+    return answer
+
+
+def dialect_error(dialect: Dialect, status: int, message: str) -> Response:
+    return Response(
+        orjson.dumps(dialect.error_body(status, message)),
+        status_code=status,
+        media_type="application/json",
+    )
+
+
+_Api = _ChatApi | _DialectApi
+
+
+@dataclass(frozen=True)
 class CallContext:
     rollout_id: str
     attempt: int
     mode: str
     endpoint: ModelEndpoint
-    request: dict[str, Any]
+    request: dict[str, Any]  # the chat request the endpoint gets (before our additions)
     request_hash: bytes
     started: float
+    api: _Api
 
 
 class RecordingProxy:
@@ -138,17 +222,36 @@ class RecordingProxy:
         # Pending answers of another boot belong to a process that died (see the module).
         self.boot = uuid.uuid4().hex
 
-    async def chat(self, rollout_id: str, attempt: int, mode: str, body: bytes) -> Response:
+    async def chat(
+        self,
+        rollout_id: str,
+        attempt: int,
+        mode: str,
+        body: bytes,
+        dialect: Dialect | None = None,
+    ) -> Response:
+        """Forward one call and record it. With a ``dialect`` the body is that API's
+        request, translated to one chat request and its answer (and errors) back."""
         try:
-            request = orjson.loads(body)
+            original = orjson.loads(body)
         except orjson.JSONDecodeError as error:
             raise ApiError(400, f"request body is not valid JSON: {error}") from None
-        if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
-            raise ApiError(400, "a chat completion needs a JSON object with a 'messages' list")
+        if not isinstance(original, dict):
+            raise ApiError(400, "the request body must be a JSON object")
         try:
-            storable(request)  # it is recorded, and must read back
+            storable(original)  # it is recorded, and must read back
         except ValueError as error:
             raise ApiError(400, f"request body: {error}") from None
+        api: _Api = _ChatApi(original)
+        request = original
+        if dialect is not None:
+            api = _DialectApi(dialect, original)
+            try:
+                request = dialect.to_chat(original)
+            except DialectError as error:
+                return api.error(error.status, error.message)
+        if not isinstance(request.get("messages"), list):
+            raise ApiError(400, "a chat completion needs a JSON object with a 'messages' list")
         request_hash = hashlib.sha256(body).digest()
         lost = await self.store.claim_answer(rollout_id, attempt, request_hash, self.boot)
         if lost is not None:
@@ -162,7 +265,10 @@ class RecordingProxy:
         # a call that waited through a weight update goes to the new weights.
         ticket = await self.gate.enter()
         try:
-            endpoint = self.router.pick(request.get("model"), rollout_id)
+            try:
+                endpoint = self.router.pick(request.get("model"), rollout_id)
+            except ApiError as error:
+                return api.error(error.status, error.message)
             forwarded = {
                 **request,
                 "model": endpoint.model,
@@ -170,7 +276,7 @@ class RecordingProxy:
                 "return_token_ids": True,
             }
             call = CallContext(
-                rollout_id, attempt, mode, endpoint, request, request_hash, time.monotonic()
+                rollout_id, attempt, mode, endpoint, request, request_hash, time.monotonic(), api
             )
             url = endpoint.endpoint.rstrip("/") + "/chat/completions"
             if request.get("stream"):
@@ -208,7 +314,7 @@ class RecordingProxy:
             return await self._failed(
                 call, 502, f"endpoint answered a malformed completion: {error!r}"
             )
-        sent = orjson.dumps(self._for_harness(call, answer))
+        sent = call.api.answer(answer)
         answer_id = await self._record(call, calls, sent, stream=False)
         return _Sent(
             sent,
@@ -234,6 +340,7 @@ class RecordingProxy:
             )
 
         answer_ids: list[str] = []
+        translator = call.api.stream()
 
         async def relay() -> AsyncIterator[bytes]:
             choices: dict[int, _Choice] = {}
@@ -251,13 +358,22 @@ class RecordingProxy:
                         prompt_ids = chunk["prompt_token_ids"]
                     for c in chunk.get("choices") or ():
                         choices.setdefault(c.get("index", 0), _Choice()).add(c)
-                    sent.append(b"data: " + orjson.dumps(self._for_harness(call, chunk)) + b"\n\n")
-                    yield sent[-1]
+                    for event in translator.feed(chunk):
+                        sent.append(event)
+                        yield event
                 else:
                     raise _StreamBroke("the endpoint's stream ended before [DONE]")
             except (aiohttp.ClientError, HttpProcessingError, TimeoutError, *_MALFORMED) as error:
-                raise _StreamBroke(f"the endpoint's stream broke: {error!r}") from error
-            sent.append(b"data: [DONE]\n\n")
+                broken = _StreamBroke(f"the endpoint's stream broke: {error!r}")
+                closing = translator.fail(502, str(broken))
+                if closing is None:
+                    raise broken from error
+                # The harness's API has an error event: end its stream with it.
+                await self._record_failure(call, 502, str(broken))
+                for event in closing:
+                    yield event
+                return
+            closing = translator.finish()
             recorded = await self._record(
                 call,
                 [
@@ -266,16 +382,17 @@ class RecordingProxy:
                     )
                     for _, c in sorted(choices.items())
                 ],
-                b"".join(sent),
+                b"".join([*sent, *closing]),
                 stream=True,
             )
             answer_ids.append(recorded)
-            yield sent[-1]
+            for event in closing:
+                yield event
 
         async def broke(error: _StreamBroke) -> None:
             await self._record_failure(call, 502, str(error))
 
-        async def sent() -> None:
+        async def delivered() -> None:
             if answer_ids:
                 await self._delivered(call.rollout_id, call.attempt, answer_ids[0])
 
@@ -283,20 +400,7 @@ class RecordingProxy:
             upstream.release()
             ticket.release()
 
-        return _StreamThenClose(relay(), done, broke, sent)
-
-    def _for_harness(self, call: CallContext, answer: dict[str, Any]) -> dict[str, Any]:
-        for key in _EXTRA_TOP:
-            answer.pop(key, None)
-        keep_logprobs = bool(call.request.get("logprobs"))
-        for choice in answer.get("choices") or ():
-            for key in _EXTRA_CHOICE:
-                choice.pop(key, None)
-            if not keep_logprobs and "logprobs" in choice:
-                choice["logprobs"] = None
-        if isinstance(call.request.get("model"), str):
-            answer["model"] = call.request["model"]
-        return answer
+        return _StreamThenClose(relay(), done, broke, delivered)
 
     def _call_data(
         self,
@@ -320,6 +424,8 @@ class RecordingProxy:
             "endpoint": call.endpoint.endpoint,
             "mode": call.mode,
         }
+        if isinstance(call.api, _DialectApi):
+            data["api"] = call.api.name
         if message.get("tool_calls"):
             data["tool_calls"] = message["tool_calls"]
         if call.request.get("tools"):
@@ -394,9 +500,7 @@ class RecordingProxy:
         self, call: CallContext, status: int, message: str, body: bytes | None = None
     ) -> Response:
         await self._record_failure(call, status, message)
-        if body is not None and _is_json_object(body):
-            return Response(body, status_code=status, media_type="application/json")
-        return error_response(status, message)
+        return call.api.error(status, message, body)
 
 
 class _StreamBroke(Exception):
