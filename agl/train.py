@@ -141,6 +141,7 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
             raise UserError(str(error)) from None
         gateway.start()
         stack.callback(gateway.stop)
+        log.info("trajectory viewer: %s/ui (admin token in %s)", gateway.url, gateway.token_file)
         if not cfg.resume:
             warm = task.warm_up(
                 loaded.model,

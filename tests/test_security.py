@@ -349,6 +349,9 @@ def test_the_trainers_child_gateway_starts(tmp_path: Path, host: str) -> None:
     try:
         assert child.url.startswith("http://127.0.0.1:")
         assert raw(child.url, "GET", "/api/rollouts", child.token).status_code == 200
+        # What opens the viewer of a live run: for its owner only.
+        assert child.token_file.read_text().strip() == child.token
+        assert child.token_file.stat().st_mode & 0o777 == 0o600
     finally:
         child.stop()
 

@@ -115,7 +115,18 @@ class ChildGateway:
     def url(self) -> str:
         return f"http://{connect_host(self.host)}:{self.port}"
 
+    @property
+    def token_file(self) -> Path:
+        """The admin token, readable by its owner only: what opens the run's trajectory
+        viewer (``/ui``) and ``python -m agl.rollouts`` while the run goes on."""
+        return self.run_dir / "admin_token"
+
     def start(self, timeout_s: float = 60.0) -> ChildGateway:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(descriptor, 0o600)  # a file left by an earlier run keeps its mode otherwise
+        with os.fdopen(descriptor, "w") as file:
+            file.write(self.token + "\n")
         self._launch(timeout_s)
         if self._supervisor is None:
             self._supervisor = threading.Thread(
