@@ -8,7 +8,8 @@
 The gateway is ``--gateway URL`` (default ``$AGL_GATEWAY_URL``, else
 http://127.0.0.1:8000), the admin token ``$AGL_ADMIN_TOKEN`` or ``--token-file``.
 ``--run DIR`` (a run folder) lets ``show`` say how the calls became samples under the
-run's merge strategy, in its tokenizer's words. A problem is one line on stderr, exit 2.
+run's merge strategy, in its tokenizer's words, and ``scan`` flag where that merge broke.
+A problem is one line on stderr, exit 2.
 
 What a rollout's numbers mean (``ls``, ``--sort``, ``--min-reward``): those of its
 current attempt, the one the trainer reads: ``reward`` its last reward event, ``turns``
@@ -318,7 +319,7 @@ class Requests:
 class Explained:
     """An explanation and the call number of each deduplicated call it names."""
 
-    x: Explanation
+    explanation: Explanation
     numbers: list[int]
 
 
@@ -413,7 +414,7 @@ def side_by_side(a: list[str], b: list[str], a_ids: list[int], b_ids: list[int])
 
 
 def show_explanation(e: Explained, merge_name: str, attempt: int, out: IO[str]) -> None:
-    x, number = e.x, e.numbers
+    x, number = e.explanation, e.numbers
     dropped = f", {x.duplicates_dropped} retried dropped" if x.duplicates_dropped else ""
     print(
         f"\nsamples (merge {merge_name}, attempt {attempt}): {len(x.samples)} from "
@@ -594,10 +595,11 @@ def merge_breaks(run: Any) -> Rule:
         reasons = [
             f"{name} breaks before call {e.numbers[b.call]} ({b.reason.value}"
             + (", same text)" if b.same_text else ")")
-            for b in e.x.breaks
+            for b in e.explanation.breaks
             if b.reason is not BreakReason.INDEPENDENT
         ]
-        return reasons + [f"{name} stitched call {e.numbers[s.call]}" for s in e.x.stitches]
+        stitched = e.explanation.stitches
+        return reasons + [f"{name} stitched call {e.numbers[s.call]}" for s in stitched]
 
     return breaks
 
@@ -620,6 +622,14 @@ def load_rules(spec: str) -> list[Rule]:
     return rules
 
 
+def apply(rule: Rule, rollout: Rollout, events: list[Event]) -> list[str]:
+    try:
+        return [str(reason) for reason in rule(rollout, events)]
+    except Exception as error:  # a user's rule: say which and where, in one line
+        name = getattr(rule, "__name__", repr(rule))
+        raise UsageError(f"rule {name} failed on {rollout.rollout_id}: {error!r}") from None
+
+
 async def cmd_scan(client: AsyncGatewayClient, args: argparse.Namespace, out: IO[str]) -> None:
     try:
         commands = command_rule(args.pattern or DEFAULT_PATTERNS)
@@ -633,7 +643,7 @@ async def cmd_scan(client: AsyncGatewayClient, args: argparse.Namespace, out: IO
     scanned = flagged = 0
     async for rollout, events in matching(client, filters(args)):
         scanned += 1
-        reasons = [reason for rule in rules for reason in rule(rollout, events)]
+        reasons = [reason for rule in rules for reason in apply(rule, rollout, events)]
         if reasons:
             flagged += 1
             print(f"{rollout.rollout_id}  {'; '.join(reasons)}", file=out)
@@ -667,7 +677,9 @@ def parser() -> argparse.ArgumentParser:
     select.add_argument("--status", action="append", default=[], help="e.g. failed,running")
     select.add_argument("--mode", choices=("train", "val"))
     select.add_argument("--group")
-    select.add_argument("--step", type=int, help="the training step (module help)")
+    select.add_argument(
+        "--step", type=int, help="val rollouts of this step, train rollouts of batch STEP-1"
+    )
     select.add_argument("--min-reward", type=float)
     select.add_argument("--max-reward", type=float)
     main = argparse.ArgumentParser(

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from agl.core.assemble import Advantage, MergeStrategy
+from agl.core.registry import get
 from agl.train import load_configured_model, make_advantage, make_merge, text_decode
 
 log = logging.getLogger(__name__)
@@ -41,9 +42,12 @@ class RunInfo:
     folder: Path
     config: dict[str, Any]  # the resolved config.yaml
     choices: dict[str, str]  # merge, advantage, loss, mode, model, task: the option names
-    _tokenizer: Any = field(default=None, init=False, repr=False)
-    _tokenizer_loaded: bool = field(default=False, init=False, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    # The tokenizer, loaded on first use (from threads: the viewer's pages).
+    _tokenizer: Any = field(default=None, init=False, repr=False, compare=False)
+    _tokenizer_loaded: bool = field(default=False, init=False, repr=False, compare=False)
+    _lock: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
 
     def merge(self) -> MergeStrategy:
         """The run's merge strategy with its options, and the tokenizer's decode where the
@@ -103,4 +107,9 @@ def load_run(folder: str | Path) -> RunInfo:
         if not isinstance(section, dict) or key not in section:
             raise RunFolderError(f"{path} is not a run's config: it has no {group}.{key}")
         choices[choice] = str(section[key])
+    for kind in ("merge", "advantage"):
+        try:  # a strategy this installation lacks: said now, not at every use
+            get(kind, choices[kind])
+        except ValueError as error:
+            raise RunFolderError(f"{path}: {error}") from None
     return RunInfo(folder=folder, config=config, choices=choices)

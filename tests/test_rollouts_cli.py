@@ -430,6 +430,11 @@ def test_scan_runs_a_users_rules(gateway: GatewayProcess, planted: Planted, tmp_
     )
     assert scanned(out, planted)["val"] == "input asks to be flagged"
     assert "clean" not in scanned(out, planted)
+    (tmp_path / "bad_rules.py").write_text("def broken(rollout, events):\n    1 / 0\n")
+    one_line_error(
+        cli(gateway, "scan", "--group", planted.group, "--rules", "bad_rules:broken", env=env),
+        f"rule broken failed on {planted.id('clean')}: ZeroDivisionError",
+    )
 
 
 def test_malformed_events_do_not_break_the_tool(gateway: GatewayProcess) -> None:
@@ -575,9 +580,30 @@ def test_load_run_builds_what_the_run_trained_with(
     assert run.advantage().keywords == {"estimator": "grpo", "scale": True}  # type: ignore[attr-defined]
     decode = run.decode_token()
     assert decode is not None and decode(85) == merge.decode([85]) == "m"
-    (tmp_path / "config.yaml").write_text("merge: {name: prefix}\n")
-    with pytest.raises(RunFolderError, match=r"no advantage\.name"):
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (None, "is not a run folder: it has no config.yaml"),
+        ("merge: [\n", "cannot be read: while parsing"),
+        ("- a list\n", "is not a run's config: not a mapping"),
+        ("merge: {name: prefix}\n", "is not a run's config: it has no advantage.name"),
+        (
+            "merge: {name: zip}\nadvantage: {name: rollout}\nloss: {name: token_mean}\n"
+            "model: {name: tiny}\ntask: {name: guess}\ntrainer: {mode: sync}\n",
+            "unknown merge strategy 'zip'; registered: independent, prefix, stitch, tree",
+        ),
+    ],
+)
+def test_load_run_refuses_what_is_not_a_run(
+    tmp_path: Path, config: str | None, message: str
+) -> None:
+    if config is not None:
+        (tmp_path / "config.yaml").write_text(config)
+    with pytest.raises(RunFolderError) as refused:
         load_run(tmp_path)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_ls_step_selects_a_training_step(real_run: tuple[Path, GatewayProcess]) -> None:
