@@ -160,7 +160,12 @@ def test_any_recorded_data_is_either_trainable_or_has_a_reason(data: dict[str, A
         assert read.calls == [] and read.invalid == {reason: 1}
 
 
-def _event(data: dict[str, Any]) -> Event:
+def test_recorded_data_that_is_not_an_object_is_left_out() -> None:
+    read = read_calls([_event([1, 2]), _event("text"), _event(None)])
+    assert read.calls == [] and read.invalid == {"not_an_object": 3}
+
+
+def _event(data: Any) -> Event:
     return Event(
         rollout_id="r", attempt=1, event_id="e", sequence=1, type="model_request", data=data, time=0
     )

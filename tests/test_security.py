@@ -21,7 +21,7 @@ import yaml
 
 from agl.core.client import GatewayClient, GatewayError, proxy_base_url
 from agl.core.gateway import AttemptRateLimit, is_loopback
-from agl.core.records import Rollout
+from agl.core.records import EventIn, Rollout
 from agl.core.services import ChildGateway, free_port
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess, gateway_process, wait_healthy
@@ -152,6 +152,26 @@ def test_the_key_of_an_earlier_attempt_reaches_nothing(
     assert (after.status, after.attempt, after.version) == (now.status, 2, now.version)
     assert admin.get_events(r.rollout_id) == []
     assert fake.requests == []
+
+
+@pytest.mark.parametrize("kind", ["model_request", "model_request_failed"])
+def test_a_key_cannot_forge_what_the_proxy_records(
+    gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout], kind: str
+) -> None:
+    """The trainer trains on ``model_request`` events: an agent posting one would choose
+    its own tokens and logprobs. Only the proxy writes them (and the admin, say to import
+    traces)."""
+    r = running()
+    forged = {"type": kind, "data": {"prompt_ids": [1], "response_ids": [2], "logprobs": [0.0]}}
+    for body in (forged, [{"type": "note", "data": 1}, forged]):
+        response = raw(
+            gateway.url, "POST", events_path(r.rollout_id, r.attempt), r.attempt_key, json=body
+        )
+        assert response.status_code == 403, response.text
+        assert "written by the proxy only" in error_message(response)
+    assert admin.get_events(r.rollout_id) == []
+    admin.post_events(r.rollout_id, r.attempt, [EventIn(**forged)])
+    assert [e.type for e in admin.get_events(r.rollout_id)] == [kind]
 
 
 def test_no_token_gets_401_everywhere(gateway: GatewayProcess, running: Callable[..., Rollout]):

@@ -23,8 +23,10 @@ MAX_TOKEN_ID = 2**31 - 1
 _LOGPROB_SLACK = 1e-3
 
 
-def invalid_reason(data: Mapping[str, Any]) -> str | None:
+def invalid_reason(data: object) -> str | None:
     """Why a ``model_request`` event's data cannot be trained on, or None if it can."""
+    if not isinstance(data, Mapping):
+        return "not_an_object"
     for name in ("prompt_ids", "response_ids"):
         ids = data.get(name)
         if not ids:
@@ -95,7 +97,7 @@ def read_calls(
         if event.type != "model_request":
             continue
         data = event.data
-        reason = data.get("invalid") or invalid_reason(data)
+        reason = invalid_reason(data) or data.get("invalid")
         if reason is None and decode is not None and text_mismatch(data, decode):
             reason = "ids_do_not_match_text"
         if reason is not None:

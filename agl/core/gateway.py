@@ -38,7 +38,7 @@ from agl.core.cli import check_port
 from agl.core.dialects import ANTHROPIC, RESPONSES, Dialect
 from agl.core.errors import ApiError, error_response
 from agl.core.lifecycle import IllegalTransition
-from agl.core.proxy import RecordingProxy, dialect_error
+from agl.core.proxy import PROXY_EVENT_TYPES, RecordingProxy, dialect_error
 from agl.core.records import (
     TERMINAL,
     Admission,
@@ -516,6 +516,10 @@ class Gateway:
         body = _parse(_EVENTS, await request.body())
         await self.live_attempt(rollout_id, attempt, principal)
         batch = body if isinstance(body, list) else [body]
+        if not principal.admin and (forged := {e.type for e in batch} & PROXY_EVENT_TYPES):
+            # The trainer trains on these: only the proxy, which saw the model answer,
+            # writes them. An agent posting one would be forging tokens and logprobs.
+            raise ApiError(403, f"event type {sorted(forged)[0]!r} is written by the proxy only")
         events = await self.store.append_events(rollout_id, attempt, batch, time.time())
         return _json(events if isinstance(body, list) else events[0])
 

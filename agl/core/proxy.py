@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 MODEL_REQUEST = "model_request"
 MODEL_REQUEST_FAILED = "model_request_failed"
+PROXY_EVENT_TYPES = frozenset({MODEL_REQUEST, MODEL_REQUEST_FAILED})
 
 # vLLM's additions to an OpenAI answer; the harness gets the answer without them.
 _EXTRA_TOP = ("prompt_token_ids", "prompt_logprobs", "prompt_text", "kv_transfer_params")
