@@ -14,9 +14,12 @@ A problem is one line on stderr, exit 2.
 What a rollout's numbers mean (``ls``, ``--sort``, ``--min-reward``): those of its
 current attempt, the one the trainer reads: ``reward`` its last reward event, ``turns``
 its model calls, ``tokens`` the response tokens they sampled, ``duration`` from its start
-to its end (or to now). ``step`` is the training step whose metrics the rollout is in:
-a validation rollout's step, a train rollout's batch + 1 (sync training trains batch
-``b`` at step ``b + 1``; async may train it later).
+to its end (shown to now while it runs; sorted last until it ends). ``step`` is the
+training step whose metrics the rollout is in: ``metadata.step`` (validation), else
+``metadata.batch`` + 1 (sync training trains batch ``b`` at step ``b + 1``; async may
+train it later). ``ls`` reads them from the gateway's store (``/api/summaries``), which
+keeps them as events arrive and filters and sorts there; ``export`` and ``scan`` read
+every event anyway and select with the same rules.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import re
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -43,6 +46,7 @@ from agl.core.calls import dedup, read_calls
 from agl.core.client import AsyncGatewayClient, GatewayError
 from agl.core.explain import BreakDetail, Explanation, explain
 from agl.core.records import Event, Rollout, Status
+from agl.core.store import RolloutRow, SortKey, SummaryQuery, Transition
 from agl.core.types import BreakReason, ModelCall
 
 T = TypeVar("T")
@@ -51,9 +55,10 @@ Rule = Callable[[Rollout, list[Event]], list[str]]
 DEFAULT_GATEWAY = "http://127.0.0.1:8000"
 DEFAULT_PATTERNS = (r"\bgit\s+log\b", r"\bcurl\b", r"\bwget\b")
 PAGE = 200  # rollouts per page: what export and scan hold at a time, with their events
+LS_PAGE = 1000  # rows per /api/summaries call: the gateway's most
 CONCURRENCY = 16  # event reads in flight
 TEXT_LIMIT = 240  # characters of a message shown by show without --full
-SORT_KEYS = ("reward", "turns", "tokens", "duration")
+SORT_KEYS = tuple(k.value for k in SortKey if k is not SortKey.CREATED)  # the default order
 
 
 class UsageError(Exception):
@@ -88,12 +93,13 @@ class Filters:
 
 def step_of(rollout: Rollout) -> int | None:
     """The training step whose metrics the rollout is in (module docstring), from the
-    metadata the trainer gives it; None for rollouts made otherwise."""
-    metadata = rollout.metadata
-    if isinstance(metadata.get("step"), int):
-        return int(metadata["step"])
-    if isinstance(metadata.get("batch"), int):
-        return int(metadata["batch"]) + 1
+    metadata the trainer gives it; None for rollouts made otherwise. The store's rule
+    (``SummaryQuery.step``), which ``ls --step`` uses: JSON integers only, not booleans."""
+    step, batch = rollout.metadata.get("step"), rollout.metadata.get("batch")
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    if isinstance(batch, int) and not isinstance(batch, bool):
+        return batch + 1
     return None
 
 
@@ -150,63 +156,28 @@ async def matching(
 # ------------------------------------------------------------------------------------ ls
 
 
-@dataclass(frozen=True)
-class Summary:
-    rollout: Rollout
-    reward: float | None
-    turns: int
-    tokens: int
-    duration_s: float | None
-
-    @classmethod
-    def of(cls, rollout: Rollout, events: Sequence[Event]) -> Summary:
-        calls = [e for e in of_attempt(events, rollout.attempt) if e.type == "model_request"]
-        started = rollout.started_at
-        ended = rollout.ended_at or (time.time() if started is not None else None)
-        return cls(
-            rollout=rollout,
-            reward=reward_of(events, rollout.attempt),
-            turns=len(calls),
-            tokens=sum(count(fields(e).get("response_ids")) for e in calls),
-            duration_s=None if started is None or ended is None else ended - started,
-        )
-
-    def sort_value(self, key: str) -> float | None:
-        return {
-            "reward": self.reward,
-            "turns": float(self.turns),
-            "tokens": float(self.tokens),
-            "duration": self.duration_s,
-        }[key]
-
-    def row(self) -> list[str]:
-        r = self.rollout
-        step = step_of(r)
-        return [
-            r.rollout_id,
-            r.group_id,
-            r.mode,
-            "-" if step is None else str(step),
-            r.status.value,
-            f"{r.attempt}/{r.max_attempts}",
-            "-" if self.reward is None else f"{self.reward:g}",
-            str(self.turns),
-            str(self.tokens),
-            "-" if self.duration_s is None else f"{self.duration_s:.1f}s",
-        ]
-
-
 HEADER = ["id", "group", "mode", "step", "status", "attempt", "reward", "turns", "tokens", "time"]
 
 
-def sort_summaries(summaries: list[Summary], key: str | None, reverse: bool) -> list[Summary]:
-    """By ``key``, rollouts without a value (no reward, not started) last either way."""
-    if key is None:
-        return summaries
-    known = [s for s in summaries if s.sort_value(key) is not None]
-    unknown = [s for s in summaries if s.sort_value(key) is None]
-    known.sort(key=lambda s: s.sort_value(key) or 0.0, reverse=reverse)
-    return known + unknown
+def row(item: RolloutRow, now: float) -> list[str]:
+    """A table row: the store's numbers of the current attempt (none yet: no reward, no
+    calls, no tokens) and the time from its start to its end, or to ``now``."""
+    r, summary = item.rollout, item.summary
+    step = step_of(r)
+    reward = None if summary is None else summary.reward
+    ended = r.ended_at or now
+    return [
+        r.rollout_id,
+        r.group_id,
+        r.mode,
+        "-" if step is None else str(step),
+        r.status.value,
+        f"{r.attempt}/{r.max_attempts}",
+        "-" if reward is None else f"{reward:g}",
+        "0" if summary is None else str(summary.calls),
+        "0" if summary is None else str(summary.tokens),
+        "-" if r.started_at is None else f"{ended - r.started_at:.1f}s",
+    ]
 
 
 def table(rows: list[list[str]]) -> str:
@@ -217,12 +188,42 @@ def table(rows: list[list[str]]) -> str:
     )
 
 
+def summary_query(args: argparse.Namespace) -> SummaryQuery:
+    """What ``ls`` asks the store for: the filters, and the sort (creation order without
+    ``--sort``; rollouts without the value last either way, ties in creation order)."""
+    f = filters(args)
+    return SummaryQuery(
+        statuses=frozenset(f.statuses),
+        mode=f.mode,
+        group_id=f.group,
+        step=f.step,
+        min_reward=f.min_reward,
+        max_reward=f.max_reward,
+        sort=SortKey(args.sort or SortKey.CREATED),
+        descending=args.reverse,
+    )
+
+
+async def listed(
+    client: AsyncGatewayClient, query: SummaryQuery, limit: int | None
+) -> tuple[list[RolloutRow], int]:
+    """The first ``limit`` rows (all of them without one), a page at a time, and how many
+    match in all."""
+    rows: list[RolloutRow] = []
+    while True:
+        size = LS_PAGE if limit is None else min(LS_PAGE, limit - len(rows))
+        page, total = await client.summaries(replace(query, offset=len(rows), limit=size))
+        rows += page
+        if len(page) < size or len(rows) >= (total if limit is None else min(total, limit)):
+            return rows, total
+
+
 async def cmd_ls(client: AsyncGatewayClient, args: argparse.Namespace, out: IO[str]) -> None:
-    summaries = [Summary.of(r, evs) async for r, evs in matching(client, filters(args))]
-    chosen = sort_summaries(summaries, args.sort, args.reverse)[: args.limit]
-    print(table([HEADER, *(s.row() for s in chosen)]), file=out)
-    if args.limit is not None and len(summaries) > args.limit:
-        print(f"({args.limit} of {len(summaries)} shown)", file=out)
+    rows, total = await listed(client, summary_query(args), args.limit)
+    now = time.time()
+    print(table([HEADER, *(row(r, now) for r in rows)]), file=out)
+    if args.limit is not None and total > args.limit:
+        print(f"({args.limit} of {total} shown)", file=out)
 
 
 # ---------------------------------------------------------------------------------- show
@@ -365,6 +366,19 @@ def show_event(event: Event, label: str, args: argparse.Namespace, out: IO[str])
         print(f"  event {event.type}: {short(json.dumps(event.data), args.full)}", file=out)
 
 
+def show_history(
+    r: Rollout, transitions: Sequence[Transition], complete: bool, out: IO[str]
+) -> None:
+    """Every status change, as the store recorded it with the change."""
+    print("history:", file=out)
+    print(f"  {when(r.created_at)}  attempt 1  queuing (created)", file=out)
+    if not complete:
+        print("  (changes before this store kept them are not recorded)", file=out)
+    for t in transitions:
+        error = f": {t.error}" if t.error else ""
+        print(f"  {when(t.time)}  attempt {t.attempt}  {t.status.value}{error}", file=out)
+
+
 def show_record(r: Rollout, out: IO[str]) -> None:
     step = step_of(r)
     print(
@@ -450,8 +464,10 @@ def show_explanation(e: Explained, merge_name: str, attempt: int, out: IO[str]) 
 async def cmd_show(client: AsyncGatewayClient, args: argparse.Namespace, out: IO[str]) -> None:
     run = None if args.run is None else load_run_folder(args.run)
     rollout = await client.get_rollout(args.rollout_id)
+    transitions, complete = await client.transitions(args.rollout_id)
     events = await client.get_events(args.rollout_id)
     show_record(rollout, out)
+    show_history(rollout, transitions, complete, out)
     for attempt in sorted({e.attempt for e in events} | {rollout.attempt}):
         evs = of_attempt(events, attempt)
         note = "" if attempt == rollout.attempt else " (not trained: a later attempt replaced it)"
@@ -669,6 +685,16 @@ def filters(args: argparse.Namespace) -> Filters:
     )
 
 
+def count_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--gateway", default=os.environ.get("AGL_GATEWAY_URL", DEFAULT_GATEWAY))
@@ -687,9 +713,11 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = main.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("ls", parents=[common, select], help="a table of rollouts")
-    ls.add_argument("--sort", choices=SORT_KEYS)
-    ls.add_argument("-r", "--reverse", action="store_true")
-    ls.add_argument("--limit", type=int)
+    ls.add_argument("--sort", choices=SORT_KEYS, help="rollouts without the value come last")
+    ls.add_argument(
+        "-r", "--reverse", action="store_true", help="descending (newest first without --sort)"
+    )
+    ls.add_argument("--limit", type=count_arg, help="show the first N")
     show = sub.add_parser("show", parents=[common], help="one rollout, call by call")
     show.add_argument("rollout_id")
     show.add_argument("--run", help="the run folder: how the calls became samples")

@@ -23,8 +23,9 @@ from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.explain import Explanation, calls_from_events, explain
 from agl.core.records import Event, Rollout
 from agl.core.registry import get
+from agl.core.store import RolloutRow, SummaryQuery
 from agl.core.types import BreakReason
-from agl.rollouts import PAGE, Filters, Summary, matching, sort_summaries, spell, step_of
+from agl.rollouts import LS_PAGE, PAGE, Filters, listed, matching, spell, step_of
 from agl.runs import RunFolderError, load_run
 from agl.testing.fake_vllm import FakeVllm, encode, reply_for
 from agl.testing.processes import GatewayProcess, free_port, gateway_process
@@ -248,7 +249,58 @@ def test_ls_sorts_and_limits(gateway: GatewayProcess, planted: Planted) -> None:
     assert planted.cases(ids_of(top)) == ["clean", "repeat", "val"]
     assert "(3 of 9 shown)" in top
     by_tokens = ok(cli(gateway, "ls", "--group", planted.group, "--sort", "tokens"))
-    assert planted.cases(ids_of(by_tokens))[:3] == ["nocalls", "queued", "length"]
+    # The store's order: a rollout with no event yet (queued) has no tokens to sort by,
+    # and comes last, as in the viewer (it is listed with 0).
+    assert planted.cases(ids_of(by_tokens))[:2] == ["nocalls", "length"]
+    assert planted.cases(ids_of(by_tokens))[-1] == "queued"
+    newest = ok(cli(gateway, "ls", "--group", planted.group, "-r", "--limit", "2"))
+    assert planted.cases(ids_of(newest)) == ["queued", "val"]
+    assert "(2 of 9 shown)" in newest
+    none = ok(cli(gateway, "ls", "--group", planted.group, "--limit", "0"))
+    assert ids_of(none) == [] and "(0 of 9 shown)" in none
+
+
+def test_ls_pages_through_the_store(gateway: GatewayProcess) -> None:
+    group = f"many-{uuid.uuid4().hex[:6]}"
+    n = LS_PAGE + 50
+    with GatewayClient(gateway.url, gateway.token) as admin:
+        admin.create_rollouts([{"rollout_id": f"{group}-{i}", "group_id": group} for i in range(n)])
+    assert ids_of(ok(cli(gateway, "ls", "--group", group))) == [f"{group}-{i}" for i in range(n)]
+    top = ok(cli(gateway, "ls", "--group", group, "-r", "--limit", str(LS_PAGE + 10)))
+    assert ids_of(top) == [f"{group}-{i}" for i in reversed(range(40, n))]
+    assert f"({LS_PAGE + 10} of {n} shown)" in top
+
+
+class SummaryPages:
+    """Answers /api/summaries pages of ``n`` rows and keeps the queries asked."""
+
+    def __init__(self, n: int) -> None:
+        self.rows = [RolloutRow(r, None) for r in PagedClient(n).rollouts]
+        self.asked: list[SummaryQuery] = []
+
+    async def summaries(self, query: SummaryQuery) -> tuple[list[RolloutRow], int]:
+        self.asked.append(query)
+        return self.rows[query.offset : query.offset + query.limit], len(self.rows)
+
+
+@pytest.mark.parametrize(
+    ("n", "limit", "pages"),
+    [
+        (0, None, [(0, LS_PAGE)]),
+        (2 * LS_PAGE, None, [(0, LS_PAGE), (LS_PAGE, LS_PAGE)]),  # no empty page after
+        (2 * LS_PAGE + 1, None, [(0, LS_PAGE), (LS_PAGE, LS_PAGE), (2 * LS_PAGE, LS_PAGE)]),
+        (3 * LS_PAGE, LS_PAGE + 5, [(0, LS_PAGE), (LS_PAGE, 5)]),
+        (3, 10, [(0, 10)]),
+        (3 * LS_PAGE, 0, [(0, 0)]),  # the total alone
+    ],
+)
+def test_ls_asks_only_for_the_rows_it_shows(
+    n: int, limit: int | None, pages: list[tuple[int, int]]
+) -> None:
+    client = SummaryPages(n)
+    rows, total = asyncio.run(listed(client, SummaryQuery(), limit))  # type: ignore[arg-type]
+    assert [(q.offset, q.limit) for q in client.asked] == pages
+    assert rows == client.rows[:limit] and total == n
 
 
 # ---------------------------------------------------------------------------------- show
@@ -270,6 +322,14 @@ def test_show_tells_the_whole_rollout(gateway: GatewayProcess, planted: Planted)
     assert "status failed" in failed and "error: agent gave up" in failed
     assert "failed call: 400" in failed and "injected failure 400" in failed
     assert failed.index("failed call") < failed.index("call 0:")
+
+    history = failed.split("history:\n")[1].split("\n\n")[0].splitlines()
+    assert [line.split("  ", 2)[2] for line in history] == [
+        "attempt 1  queuing (created)",
+        "attempt 1  running",
+        "attempt 1  failed: agent gave up",
+    ]
+    assert "history:" in out and "attempt 1  succeeded" in out
 
     repeat = ok(cli(gateway, "show", planted.id("repeat")))
     # Same prompt twice: the trainer keeps the last, and the listing says so.
@@ -510,24 +570,14 @@ def test_token_file(gateway: GatewayProcess, planted: Planted, tmp_path: Path) -
 # ------------------------------------------------------------------- pure helpers
 
 
-def summary(rid: str, reward: float | None) -> Summary:
-    rollout = PagedClient(1).rollouts[0].model_copy(update={"rollout_id": rid})
-    return Summary(rollout, reward, 0, 0, None)
-
-
-def test_sorting_puts_unknown_values_last_both_ways() -> None:
-    items = [summary("a", None), summary("b", 2.0), summary("c", 1.0), summary("d", 2.0)]
-    ascending = sort_summaries(items, "reward", reverse=False)
-    assert [s.rollout.rollout_id for s in ascending] == ["c", "b", "d", "a"]
-    descending = sort_summaries(items, "reward", reverse=True)
-    assert [s.rollout.rollout_id for s in descending] == ["b", "d", "c", "a"]
-
-
 def test_step_and_spelling() -> None:
     base = PagedClient(1).rollouts[0]
     assert step_of(base) is None
     assert step_of(base.model_copy(update={"metadata": {"batch": 4}})) == 5
     assert step_of(base.model_copy(update={"metadata": {"step": 4}})) == 4
+    # The store's rule (ls --step filters there): a boolean is not a step.
+    assert step_of(base.model_copy(update={"metadata": {"step": True, "batch": 2}})) == 3
+    assert step_of(base.model_copy(update={"metadata": {"batch": False}})) is None
     assert spell([" h", "aving", "\n"]) == "␣h|aving|↵"
 
 

@@ -36,6 +36,7 @@ from agl.core.records import (
     Status,
     StatusPatch,
 )
+from agl.core.store import RolloutRow, SummaryQuery, Transition
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class _Call(Generic[T]):
 _ROLLOUTS = TypeAdapter(list[Rollout])
 _EVENTS = TypeAdapter(list[Event])
 _MODELS = TypeAdapter(list[ModelEndpoint])
+_ROWS = TypeAdapter(list[RolloutRow])
+_TRANSITIONS = TypeAdapter(list[Transition])
 
 
 def _page(items: TypeAdapter[list[T]]) -> Callable[[Any], tuple[list[T], str | None]]:
@@ -173,6 +176,36 @@ class _Calls:
             f"/api/rollouts/{rollout_id}/events",
             _page(_EVENTS),
             params={k: v for k, v in params.items() if v is not None},
+        )
+
+    @staticmethod
+    def summaries(query: SummaryQuery | None) -> _Call[tuple[list[RolloutRow], int]]:
+        query = query or SummaryQuery()
+        params = {
+            "status": ",".join(sorted(query.statuses)) or None,
+            "mode": query.mode,
+            "group_id": query.group_id,
+            "step": query.step,
+            "min_reward": query.min_reward,
+            "max_reward": query.max_reward,
+            "sort": query.sort.value,
+            "desc": "true" if query.descending else "false",
+            "offset": query.offset,
+            "limit": query.limit,
+        }
+        return _Call(
+            "GET",
+            "/api/summaries",
+            lambda body: (_ROWS.validate_python(body["items"]), int(body["total"])),
+            params={k: v for k, v in params.items() if v is not None},
+        )
+
+    @staticmethod
+    def transitions(rollout_id: str) -> _Call[tuple[list[Transition], bool]]:
+        return _Call(
+            "GET",
+            f"/api/rollouts/{rollout_id}/transitions",
+            lambda body: (_TRANSITIONS.validate_python(body["items"]), bool(body["complete"])),
         )
 
     @staticmethod
@@ -391,6 +424,18 @@ class GatewayClient(_Base):
             if cursor is None:
                 return out
 
+    def summaries(self, query: SummaryQuery | None = None) -> tuple[list[RolloutRow], int]:
+        """One page of rollouts with their current attempt's summary, filtered and sorted
+        by the store (``query.limit`` at most 1,000; no query: the first 50 in creation
+        order), and how many match in all. Page on with ``query.offset``."""
+        return self._send(_Calls.summaries(query))
+
+    def transitions(self, rollout_id: str) -> tuple[list[Transition], bool]:
+        """The rollout's status changes in order, and whether the store recorded them all
+        (False for a rollout made before it kept them: its creation, start and end are
+        then only in its record)."""
+        return self._send(_Calls.transitions(rollout_id))
+
     def register_models(
         self, models: Iterable[ModelEndpoint | dict[str, Any]]
     ) -> list[ModelEndpoint]:
@@ -524,6 +569,14 @@ class AsyncGatewayClient(_Base):
             out.extend(page)
             if cursor is None:
                 return out
+
+    async def summaries(self, query: SummaryQuery | None = None) -> tuple[list[RolloutRow], int]:
+        """As :meth:`GatewayClient.summaries`."""
+        return await self._send(_Calls.summaries(query))
+
+    async def transitions(self, rollout_id: str) -> tuple[list[Transition], bool]:
+        """As :meth:`GatewayClient.transitions`."""
+        return await self._send(_Calls.transitions(rollout_id))
 
     async def register_models(
         self, models: Iterable[ModelEndpoint | dict[str, Any]]

@@ -26,7 +26,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -44,13 +44,25 @@ from agl.core.records import (
     Admission,
     AdmissionIn,
     EventIn,
+    Mode,
     ModelEndpoint,
     Rollout,
     RolloutSpec,
     Status,
     StatusPatch,
 )
-from agl.core.store import EventQuery, NotFound, RolloutQuery, Store, open_store
+from agl.core.store import (
+    HISTORY_SINCE,
+    EventQuery,
+    NotFound,
+    RolloutQuery,
+    RolloutRow,
+    SortKey,
+    Store,
+    SummaryQuery,
+    Transition,
+    open_store,
+)
 from agl.core.upstream import RetryPolicy, Upstream
 
 log = logging.getLogger(__name__)
@@ -230,6 +242,47 @@ _PATCH = TypeAdapter(StatusPatch)
 _EVENTS = TypeAdapter(EventIn | list[EventIn])
 _MODELS = TypeAdapter(list[ModelEndpoint])
 _ADMISSION = TypeAdapter(AdmissionIn)
+
+_INT64 = 2**63  # what SQLite binds: a larger step or offset would be a 500, not a 400
+
+
+class _SummaryParams(BaseModel):
+    """The query string of ``GET /api/summaries``, read by hand (a bad value is a 400 in
+    the gateway's error shape) and declared in the OpenAPI document from this model."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    status: str | None = Field(default=None, description="comma list; may also repeat")
+    mode: Mode | None = None
+    group_id: str | None = None
+    step: int | None = Field(
+        default=None,
+        ge=-_INT64,
+        lt=_INT64,
+        description="metadata.step (validation), else metadata.batch + 1 (training)",
+    )
+    min_reward: float | None = Field(default=None, allow_inf_nan=False)
+    max_reward: float | None = Field(default=None, allow_inf_nan=False)
+    sort: SortKey = SortKey.CREATED
+    desc: bool = False
+    offset: int = Field(default=0, ge=0, lt=_INT64)
+    limit: int = Field(default=100, ge=0, le=MAX_PAGE, description="0: the total alone")
+
+
+class _SummaryPage(BaseModel):
+    """The answer of ``GET /api/summaries``, for the OpenAPI document: each rollout as an
+    admin reads it, with its current attempt's summary (null before its first event)."""
+
+    total: int
+    items: list[RolloutRow]
+
+
+class _History(BaseModel):
+    """The answer of ``GET /api/rollouts/{id}/transitions``, for the OpenAPI document.
+    ``complete`` is false for a rollout made before its store recorded status changes."""
+
+    items: list[Transition]
+    complete: bool
 
 
 T = TypeVar("T")
@@ -581,6 +634,12 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
     def body(adapter: TypeAdapter[Any]) -> dict[str, Any]:
         return _body(adapter, definitions)
 
+    def query(model: type[BaseModel]) -> dict[str, Any]:
+        return _query(model, definitions)
+
+    def returns(adapter: TypeAdapter[Any]) -> dict[str, Any]:
+        return _returns(adapter, definitions)
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -693,6 +752,31 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         next_cursor = str(events[-1].sequence) if len(events) == limit else None
         return _json({"items": events, "next_cursor": next_cursor})
 
+    # -- what the viewer reads: summaries and status history ------------------------
+
+    @app.get(
+        "/api/summaries",
+        openapi_extra={**query(_SummaryParams), **returns(TypeAdapter(_SummaryPage))},
+    )
+    async def get_summaries(request: Request) -> Response:
+        g = gw()
+        g.admin(request)
+        rows, total = await g.store.query_rollouts(_summary_query(request))
+        items = [
+            {"rollout": g.rollout_json(row.rollout, admin=True), "summary": row.summary}
+            for row in rows
+        ]
+        return _json({"total": total, "items": items})
+
+    @app.get("/api/rollouts/{rollout_id}/transitions", openapi_extra=returns(TypeAdapter(_History)))
+    async def get_transitions(request: Request, rollout_id: str) -> Response:
+        g = gw()
+        g.admin(request)
+        rollout = await g.rollout(rollout_id)
+        since = await g.store.get_meta(HISTORY_SINCE)
+        complete = since is None or rollout.created_at >= float(since)
+        return _json({"items": await g.store.transitions(rollout_id), "complete": complete})
+
     # -- models and admission ------------------------------------------------------
 
     @app.post("/api/models", openapi_extra=body(_MODELS))
@@ -793,9 +877,56 @@ def _cursor(cursor: str | None) -> int:
     return int(cursor)
 
 
+def _summary_query(request: Request) -> SummaryQuery:
+    """The store query a ``GET /api/summaries`` asks for; a bad value is a 400 that names
+    it (not FastAPI's 422: the route reads its parameters itself)."""
+    try:
+        params = _SummaryParams.model_validate(dict(request.query_params))
+        statuses = _statuses(request.query_params.getlist("status"))
+    except ValidationError as error:
+        raise ApiError(400, _describe(error.errors())) from None
+    except ApiError as error:
+        raise ApiError(400, error.message) from None
+    return SummaryQuery(
+        statuses=statuses,
+        mode=params.mode,
+        group_id=params.group_id,
+        step=params.step,
+        min_reward=params.min_reward,
+        max_reward=params.max_reward,
+        sort=params.sort,
+        descending=params.desc,
+        offset=params.offset,
+        limit=params.limit,
+    )
+
+
 def _body(adapter: TypeAdapter[Any], definitions: dict[str, Any]) -> dict[str, Any]:
     """A request body for OpenAPI: the models it refers to go to ``definitions`` (the
     document's ``components.schemas``), where its references point."""
     schema = adapter.json_schema(ref_template="#/components/schemas/{model}")
     definitions.update(schema.pop("$defs", {}))
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _query(model: type[BaseModel], definitions: dict[str, Any]) -> dict[str, Any]:
+    """A route's query parameters for OpenAPI, from the model its handler reads them with
+    (the handler takes none from FastAPI, so FastAPI declares none)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    definitions.update(schema.pop("$defs", {}))
+    required = set(schema.get("required", ()))
+    parameters = []
+    for name, field in schema["properties"].items():
+        parameter = {"name": name, "in": "query", "required": name in required, "schema": field}
+        if "description" in field:
+            parameter["description"] = field["description"]
+        parameters.append(parameter)
+    return {"parameters": parameters}
+
+
+def _returns(adapter: TypeAdapter[Any], definitions: dict[str, Any]) -> dict[str, Any]:
+    """A route's 200 answer for OpenAPI (the routes answer with orjson, not a model)."""
+    schema = adapter.json_schema(ref_template="#/components/schemas/{model}")
+    definitions.update(schema.pop("$defs", {}))
+    content = {"application/json": {"schema": schema}}
+    return {"responses": {"200": {"description": "Successful Response", "content": content}}}
