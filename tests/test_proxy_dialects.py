@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -201,6 +202,13 @@ def test_errors_come_in_the_api_the_harness_spoke(
             ],
         )
     assert untranslatable.value.body["type"] == "error"
+    not_json = httpx.post(
+        proxy_root(gateway, r) + "/anthropic/v1/messages",
+        content=b"{not json",
+        headers={"x-api-key": r.attempt_key or "", "content-type": "application/json"},
+    )
+    assert not_json.status_code == 400
+    assert not_json.json()["error"]["type"] == "invalid_request_error"
     fake.fail_next = [500] * 10
     with pytest.raises(openai.InternalServerError):
         responses_client(gateway, r).responses.create(model="m", input="hi")

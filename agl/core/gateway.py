@@ -538,6 +538,7 @@ class Gateway:
         whose errors then come in that API's shape."""
         try:
             await self._check_live(request, rollout_id, attempt, mode)
+            return await self.proxy.chat(rollout_id, attempt, mode, await request.body(), dialect)
         except ApiError as error:
             if dialect is None:
                 raise
@@ -547,7 +548,6 @@ class Gateway:
                     {k: v for k, v in error.response().headers.items() if "retry-after" in k}
                 )
             return response
-        return await self.proxy.chat(rollout_id, attempt, mode, await request.body(), dialect)
 
     async def _check_live(self, request: Request, rollout_id: str, attempt: int, mode: str) -> None:
         principal = self.for_attempt(request, rollout_id, attempt)
