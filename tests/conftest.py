@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -72,3 +75,34 @@ def base_url(gateway: GatewayProcess, rollout: Rollout) -> str:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+@pytest.fixture(scope="session")
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real 2-step ``agl.train`` run of the default experiment (merge=prefix), made once
+    for every test that reads a run folder: its tiny model's BPE-dropout makes some
+    prompts come back retokenized, which breaks samples. Read it, do not change it."""
+    folder = tmp_path_factory.mktemp("short_run") / "run"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agl.train",
+            "merge=prefix",
+            "trainer.steps=2",
+            "trainer.groups_per_step=4",
+            "trainer.group_size=8",
+            "trainer.val_every=1",
+            "trainer.val_size=4",
+            "task.warmup_options.steps=30",
+            "logging.wandb=false",
+            "logging.progress=false",
+            f"hydra.run.dir={folder}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "WANDB_MODE": "offline"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder

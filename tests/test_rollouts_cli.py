@@ -585,31 +585,10 @@ def test_step_and_spelling() -> None:
 
 
 @pytest.fixture(scope="module")
-def real_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, GatewayProcess]]:
-    """A 2-step run of the default experiment (~20-60 s), its store served again."""
-    folder = tmp_path_factory.mktemp("run")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agl.train",
-            "trainer.steps=2",
-            "trainer.groups_per_step=4",
-            "trainer.group_size=8",
-            "trainer.val_every=1",
-            "trainer.val_size=4",
-            "task.warmup_options.steps=30",
-            "logging.wandb=false",
-            "logging.progress=false",
-            f"hydra.run.dir={folder}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    with gateway_process(folder / "gateway") as gw:
-        yield folder, gw
+def real_run(short_run: Path) -> Iterator[tuple[Path, GatewayProcess]]:
+    """The shared short run (tests/conftest.py), its store served again."""
+    with gateway_process(short_run / "gateway") as gw:
+        yield short_run, gw
 
 
 def test_load_run_builds_what_the_run_trained_with(
