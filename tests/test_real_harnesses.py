@@ -210,7 +210,7 @@ class WireTap:
         with self._lock:
             self._in_flight += 1
         body = await request.read()
-        status, sent = 502, bytearray()
+        status, sent = 502, bytearray()  # 502 stays if the gateway cannot be reached
         try:
             headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_RELAYED}
             async with self._session.request(
