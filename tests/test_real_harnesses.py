@@ -15,9 +15,6 @@ tested. Each test asserts that
   harness's own API, as the relay saw it, is explained by one record's decoded text, and
   the assistant text the harness itself reports is in those decoded texts.
 
-OpenCode and Qwen Code are expected to fail, without being run, while the model server
-splits a stream's end in a way they cannot read (SPLIT_FINISH, checked once per module).
-
 The binaries come from ``tests/harnesses/install.sh`` (pinned npm packages, and a Python
 3.12 venv for OpenHands); a harness that is not installed fails with that command. Each
 harness gets a fresh HOME and only the environment it needs, so no key or setting of the
@@ -43,7 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
@@ -75,17 +71,6 @@ API_TAILS = {
     "/anthropic/v1/messages": "anthropic",
 }
 
-# The embedded server streams a choice's last tokens and its finish_reason as two entries
-# of one chunk's `choices`, both with index 0 (vLLM sends one entry per index). The Vercel
-# AI SDK (OpenCode) and Qwen Code read choices[0] only, never see a finish_reason, and
-# retry (Qwen Code: "Model stream ended without a finish reason") or loop until killed
-# (OpenCode: finish "unknown" means "continue", whatever its step limit).
-SPLIT_FINISH = (
-    "agl.serve sends a stream's finish_reason as a second choice with index 0 in one "
-    "chunk; this harness reads choices[0] only and never sees the answer end"
-)
-
-
 # --- the model server and the gateway ------------------------------------------------
 
 
@@ -110,27 +95,6 @@ def served() -> Iterator[Served]:
     tokenizer = load_model("tiny").tokenizer
     with serve_process("tiny", max_context=MAX_CONTEXT) as server:
         yield Served(server.url, server.model, tokenizer)
-
-
-@pytest.fixture(scope="module")
-def finish_split(served: Served) -> bool:
-    """Whether the server puts two entries of one choice into a chunk (SPLIT_FINISH)."""
-    body = {
-        "model": served.model,
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 4,
-        "stream": True,
-    }
-    with httpx.stream("POST", f"{served.url}/chat/completions", json=body, timeout=60) as r:
-        chunks = [
-            json.loads(line[5:])
-            for line in r.iter_lines()
-            if line.startswith("data:") and line != "data: [DONE]"
-        ]
-    return any(
-        len(indices := [c.get("index", 0) for c in chunk.get("choices") or ()]) != len(set(indices))
-        for chunk in chunks
-    )
 
 
 @pytest.fixture(scope="module")
@@ -654,13 +618,10 @@ def test_opencode(
     tap: WireTap,
     attempt: Attempt,
     served: Served,
-    finish_split: bool,
     tmp_path: Path,
 ) -> None:
     """OpenCode: an OpenAI-compatible provider at the proxy, in its config file."""
     opencode = installed("opencode")
-    if finish_split:
-        pytest.xfail(SPLIT_FINISH)
     config = {
         "$schema": "https://opencode.ai/config.json",
         "provider": {
@@ -703,13 +664,10 @@ def test_qwen_code(
     tap: WireTap,
     attempt: Attempt,
     served: Served,
-    finish_split: bool,
     tmp_path: Path,
 ) -> None:
     """Qwen Code: its OpenAI auth type, with agl's OPENAI_BASE_URL and OPENAI_API_KEY."""
     qwen = installed("qwen")
-    if finish_split:
-        pytest.xfail(SPLIT_FINISH)
     home = tmp_path / "home"
     (home / ".qwen").mkdir(parents=True)
     (home / ".qwen" / "settings.json").write_text(

@@ -299,6 +299,9 @@ def test_stream_concatenates_to_the_unary_answer(served: Served) -> None:
     )
     assert chunks[0].model_extra["prompt_token_ids"] == served.prompt_ids(MESSAGES)
     assert chunks[-1].usage.completion_tokens == unary.usage.completion_tokens
+    # After the opening, one choice per chunk as vLLM sends them: clients that read
+    # choices[0] only (Qwen Code, the Vercel AI SDK) must see every finish_reason.
+    assert all(len(chunk.choices) <= 1 for chunk in chunks[1:])
     for want in unary.choices:
         mine = [c for chunk in chunks for c in chunk.choices if c.index == want.index]
         text = "".join(c.delta.content or "" for c in mine)

@@ -612,11 +612,12 @@ class ChatServer:
                 yield _sse(opening)
                 batch: list | None = first
                 while batch is not None:
-                    choices = [
-                        c for delta in batch for c in self._step(chat, generation, outputs, delta)
-                    ]
-                    if choices:
-                        yield _sse({**head, "choices": choices})
+                    # One choice per chunk, as vLLM streams: clients read ``choices[0]``
+                    # only, so a chunk holding a choice's last tokens and then its
+                    # finish_reason would hide the end (Qwen Code, OpenCode never saw it).
+                    for delta in batch:
+                        for choice in self._step(chat, generation, outputs, delta):
+                            yield _sse({**head, "choices": [choice]})
                     batch = await anext(deltas, None)
                 if chat.include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage(prompt_ids, outputs)})
