@@ -961,7 +961,7 @@ def image(source: str = "base64") -> dict[str, Any]:
         ({"max_tokens": None}, "max_tokens: a positive integer is required"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"messages": "Hi"}, "messages: a list of messages is required"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "unknown role 'system'"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "unknown role 'tool'"),
         (
             {"messages": [{"role": "user", "content": [image()]}]},
             "messages[0].content[0]: 'image' blocks",
@@ -1300,3 +1300,17 @@ def test_a_body_that_is_no_object(dialect: Dialect) -> None:
     with pytest.raises(DialectError, match="is a JSON object") as raised:
         dialect.to_chat([1, 2])  # type: ignore[arg-type]
     assert raised.value.status == 400
+
+
+def test_messages_a_system_turn_mid_conversation_stays_a_system_message() -> None:
+    """Claude Code sends its agent and skill lists as ``system`` turns between the others
+    (not in Anthropic's documented API)."""
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "system", "content": [{"type": "text", "text": "Agents: none."}]},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Go"},
+    ]
+    chat = ANTHROPIC.to_chat(messages_request(messages=messages))
+    assert [m["role"] for m in chat["messages"]] == ["user", "system", "assistant", "user"]
+    assert chat["messages"][1]["content"] == "Agents: none."

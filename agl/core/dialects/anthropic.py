@@ -175,8 +175,13 @@ def _messages(messages: Any, ignored: set[str]) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             raise DialectError(400, f"{where} is not an object")
         role, content = message.get("role"), message.get("content")
+        if role == "system":
+            # Not in Anthropic's documented API, but Claude Code sends such turns in the
+            # middle of a conversation (its agent and skill lists); chat has the role.
+            chat += _system(content, ignored)
+            continue
         if role not in ("user", "assistant"):
-            raise DialectError(400, f"{where}: unknown role {role!r} (user or assistant)")
+            raise DialectError(400, f"{where}: unknown role {role!r} (user, assistant or system)")
         if isinstance(content, str):
             chat.append({"role": role, "content": content})
         elif not isinstance(content, list):
