@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from agl.backends.inference.models import LoadedModel
+    from agl.backends.inference.service import InferenceService
     from agl.core.assemble import Advantage, MergeStrategy
     from agl.core.controller import Executor
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
-GROUPS = ("merge", "advantage", "loss", "model", "task", "backend", "controller")
+GROUPS = ("merge", "advantage", "loss", "model", "task", "backend", "inference", "controller")
 
 log = logging.getLogger("agl.train")
 
@@ -97,7 +98,6 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
     import torch
     from omegaconf import OmegaConf
 
-    from agl.backends.inference.embedded import EmbeddedServer
     from agl.backends.inference.models import ModelUnavailable, default_cache_dir
     from agl.backends.training.embedded import EmbeddedPolicy
     from agl.backends.training.torch import TorchBackend, TorchBackendConfig
@@ -151,23 +151,13 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
             )
             if warm:
                 log.info("warm-up: %s", warm)
-        try:
-            server = EmbeddedServer(
-                loaded.model,
-                loaded.tokenizer,
-                loaded.name,
-                host=cfg.inference.host,
-                port=cfg.inference.port,
-                max_batch_size=cfg.inference.max_batch_size,
-                max_context=cfg.model.get("max_context") or loaded.max_context,
-                seed=cfg.seed,
-                num_threads=cfg.inference.torch_threads,
-            )
-        except (OSError, ValueError) as error:
-            raise UserError(str(error)) from None
+        server = _serve(options["inference"], loaded, cfg, run_dir)
         stack.callback(server.close)
-        server.start()
-        policy = EmbeddedPolicy(TorchBackend(loaded.model, backend_config), server.engine)
+        try:
+            server.start()
+        except (OSError, RuntimeError) as error:
+            raise UserError(f"inference={cfg.inference.name}: {error}") from None
+        policy = EmbeddedPolicy(TorchBackend(loaded.model, backend_config), server.paused)
         agent_gateway_url = cfg.controller.get("agent_gateway_url") or gateway.url
         executor = _executor(options["controller"], cfg.task.harness, run_dir, agent_gateway_url)
         http = fast_http_client(64)
@@ -177,7 +167,10 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
         async def publish(version: int) -> None:
             await asyncio.to_thread(server.publish, version)
             await client.register_models(
-                [ModelEndpoint(model=loaded.name, endpoint=server.url, policy_version=version)]
+                [
+                    ModelEndpoint(model=loaded.name, endpoint=url, policy_version=version)
+                    for url in server.endpoints
+                ]
             )
 
         controller = Controller(
@@ -213,14 +206,15 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
         generated = {"tokens": 0}
 
         def on_step(step: int, metrics: dict[str, float]) -> None:
-            stats = server.engine.stats
-            metrics["inference/busy_s"] = stats.busy_s  # cumulative
-            new_tokens = stats.tokens_generated - generated["tokens"]
-            generated["tokens"] = stats.tokens_generated
-            if metrics.get("time/rollout_s"):
-                metrics["throughput/generated_tokens_per_s"] = (
-                    new_tokens / metrics["time/rollout_s"]
-                )
+            stats = server.stats
+            if stats is not None:
+                metrics["inference/busy_s"] = stats.busy_s  # cumulative
+                new_tokens = stats.tokens_generated - generated["tokens"]
+                generated["tokens"] = stats.tokens_generated
+                if metrics.get("time/rollout_s"):
+                    metrics["throughput/generated_tokens_per_s"] = (
+                        new_tokens / metrics["time/rollout_s"]
+                    )
             if metrics.get("time/train_s"):
                 metrics["throughput/train_tokens_per_s"] = (
                     metrics.get("train/tokens_computed", 0.0) / metrics["time/train_s"]
@@ -253,6 +247,32 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
                 summary(tracker.history, str(run_dir), time.monotonic() - started) + "\n"
             )
         return tracker.history
+
+
+def _serve(
+    options: dict[str, Any], loaded: LoadedModel, cfg: Any, run_dir: Path
+) -> InferenceService:
+    """The inference engine ``inference=...`` names, serving ``loaded`` (not yet started)."""
+    settings = _options(options)
+    max_context = cfg.model.get("max_context") or loaded.max_context
+    try:
+        if options["name"] == "embedded":
+            from agl.backends.inference.embedded import EmbeddedServer
+
+            return EmbeddedServer(
+                loaded.model,
+                loaded.tokenizer,
+                loaded.name,
+                host=settings["host"],
+                port=settings["port"],
+                max_batch_size=settings["max_batch_size"],
+                max_context=max_context,
+                seed=cfg.seed,
+                num_threads=settings["torch_threads"],
+            )
+    except (OSError, ValueError, KeyError) as error:
+        raise UserError(f"inference={options['name']}: {error}") from None
+    raise UserError(f"inference={options['name']}: no such inference engine")
 
 
 def _executor(

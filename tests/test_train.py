@@ -209,6 +209,31 @@ def test_a_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
     )
 
 
+def test_an_inference_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "agl.train",
+                *SMALL,
+                f"inference.port={port}",
+                f"hydra.run.dir={tmp_path}",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"agl.train: inference=embedded: cannot serve the model on 127.0.0.1:{port}")
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_run_carries_on_when_its_gateway_is_killed(tmp_path: Path) -> None:
     """kill -9 of the gateway while agents call through it: the run restarts it on its

@@ -11,12 +11,13 @@ import logging
 import socket
 import threading
 import time
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import uvicorn
 
-from agl.backends.inference.engine import Engine
+from agl.backends.inference.engine import Engine, EngineStats
 from agl.backends.inference.hf import create_app
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,17 @@ class EmbeddedServer:
     def url(self) -> str:
         """The OpenAI base URL."""
         return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [self.url]
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    def paused(self) -> AbstractContextManager[None]:
+        return self.engine.paused()
 
     def start(self, timeout_s: float = 30.0) -> EmbeddedServer:
         self._thread.start()

@@ -1,14 +1,15 @@
-"""The torch backend collocated with the embedded inference engine in one process: both
-hold the same ``nn.Module``, so an update is "pause the engine, step the optimizer in
-place, bump the version" — no copy, no transfer."""
+"""The torch backend collocated with the inference engine: the trainer's ``nn.Module`` is
+the one the engine serves (embedded: the same object; vLLM: published to it after each
+step), so an update is "pause the engine, step the optimizer in place, publish"."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
 
-from agl.backends.inference.engine import Engine
 from agl.backends.training.torch import TorchBackend
 from agl.core.trainer import Loss
 from agl.core.types import Sample
@@ -17,9 +18,11 @@ CHECKPOINT = "policy.pt"
 
 
 class EmbeddedPolicy:
-    def __init__(self, backend: TorchBackend, engine: Engine) -> None:
+    def __init__(
+        self, backend: TorchBackend, paused: Callable[[], AbstractContextManager[None]]
+    ) -> None:
         self.backend = backend
-        self.engine = engine
+        self.paused = paused
 
     def train(
         self,
@@ -30,7 +33,7 @@ class EmbeddedPolicy:
     ) -> dict[str, float]:
         # The trainer runs this with no generation in flight; pausing the engine makes it
         # a guarantee (a stray request waits instead of reading half-updated weights).
-        with self.engine.paused():
+        with self.paused():
             return self.backend.train(samples, advantages, loss, token_scale)
 
     def save(self, folder: Path) -> None:
@@ -38,5 +41,5 @@ class EmbeddedPolicy:
 
     def load(self, folder: Path) -> None:
         state = torch.load(folder / CHECKPOINT, map_location="cpu", weights_only=False)
-        with self.engine.paused():
+        with self.paused():
             self.backend.load_state_dict(state)
