@@ -231,7 +231,8 @@ def test_an_inference_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"agl.train: inference=embedded: cannot serve the model on 127.0.0.1:{port}")
+    expected = f"agl.train: inference=embedded: cannot serve the model on 127.0.0.1:{port}"
+    assert last.startswith(expected)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
