@@ -353,8 +353,10 @@ class BodyLimit:
 ADMISSION_META = "admission"  # the gate's last requested state, restored at start
 PROXY = "/proxy/rollout/{rollout_id}/attempt/{attempt}/mode/{mode}"
 PROXY_CHAT = PROXY + "/openai/v1/chat/completions"
+PROXY_COMPLETIONS = PROXY + "/openai/v1/completions"
 PROXY_RESPONSES = PROXY + "/openai/v1/responses"
 PROXY_MESSAGES = PROXY + "/anthropic/v1/messages"
+PROXY_COUNT_TOKENS = PROXY_MESSAGES + "/count_tokens"
 EVENTS = "/api/rollouts/{rollout_id}/attempt/{attempt}/events"
 # The API a harness speaks, by the proxy path's tail: None is chat completions itself.
 DIALECTS: dict[str, Dialect | None] = {
@@ -362,9 +364,10 @@ DIALECTS: dict[str, Dialect | None] = {
     "openai/v1/responses": RESPONSES,
     "anthropic/v1/messages": ANTHROPIC,
 }
+COMPLETIONS_TAIL = "openai/v1/completions"  # text completions: no dialect, its own handler
 _PROXY_CALL = re.compile(
     r"^/proxy/rollout/([^/]+)/attempt/(\d+)/mode/([^/]+)/("
-    + "|".join(re.escape(tail) for tail in DIALECTS)
+    + "|".join(re.escape(tail) for tail in [*DIALECTS, COMPLETIONS_TAIL])
     + ")$"
 )
 _EVENTS_PATH = re.compile(r"^/api/rollouts/([^/]+)/attempt/(\d+)/events$")
@@ -390,8 +393,12 @@ class FastLane:
                     scope,
                     receive,
                     send,
-                    lambda request: self.gateway().proxy_call(
-                        request, rollout_id, int(attempt), mode, DIALECTS[tail]
+                    lambda request: (
+                        self.gateway().proxy_completions(request, rollout_id, int(attempt), mode)
+                        if tail == COMPLETIONS_TAIL
+                        else self.gateway().proxy_call(
+                            request, rollout_id, int(attempt), mode, DIALECTS[tail]
+                        )
                     ),
                 )
                 return
@@ -542,12 +549,25 @@ class Gateway:
         except ApiError as error:
             if dialect is None:
                 raise
-            response = dialect_error(dialect, error.status, error.message)
-            if isinstance(error, RateLimited):
-                response.headers.update(
-                    {k: v for k, v in error.response().headers.items() if "retry-after" in k}
-                )
-            return response
+            return _dialect_error(dialect, error)
+
+    async def proxy_completions(
+        self, request: Request, rollout_id: str, attempt: int, mode: str
+    ) -> Response:
+        """A harness's text completion (``/v1/completions``); errors in OpenAI's shape."""
+        await self._check_live(request, rollout_id, attempt, mode)
+        return await self.proxy.completions(rollout_id, attempt, mode, await request.body())
+
+    async def count_tokens(
+        self, request: Request, rollout_id: str, attempt: int, mode: str
+    ) -> Response:
+        """Anthropic's ``count_tokens``: the prompt's length in the rollout's endpoint's
+        tokens. Nothing is sampled, so nothing is recorded."""
+        try:
+            await self._check_live(request, rollout_id, attempt, mode)
+            return await self.proxy.count_tokens(rollout_id, await request.body())
+        except ApiError as error:
+            return _dialect_error(ANTHROPIC, error)
 
     async def _check_live(self, request: Request, rollout_id: str, attempt: int, mode: str) -> None:
         principal = self.for_attempt(request, rollout_id, attempt)
@@ -827,6 +847,12 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
     async def proxy_chat(request: Request, rollout_id: str, attempt: int, mode: str) -> Response:
         return await gw().proxy_call(request, rollout_id, attempt, mode)
 
+    @app.post(PROXY_COMPLETIONS)
+    async def proxy_completions(
+        request: Request, rollout_id: str, attempt: int, mode: str
+    ) -> Response:
+        return await gw().proxy_completions(request, rollout_id, attempt, mode)
+
     @app.post(PROXY_RESPONSES)
     async def proxy_responses(
         request: Request, rollout_id: str, attempt: int, mode: str
@@ -839,6 +865,12 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
     ) -> Response:
         return await gw().proxy_call(request, rollout_id, attempt, mode, ANTHROPIC)
 
+    @app.post(PROXY_COUNT_TOKENS)
+    async def proxy_count_tokens(
+        request: Request, rollout_id: str, attempt: int, mode: str
+    ) -> Response:
+        return await gw().count_tokens(request, rollout_id, attempt, mode)
+
     @app.post(EVENTS, openapi_extra=body(_EVENTS))
     async def post_events(request: Request, rollout_id: str, attempt: int) -> Response:
         return await gw().post_events(request, rollout_id, attempt)
@@ -849,6 +881,16 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
 
     fast_lane = FastLane(app, gateway=lambda: holder["gateway"])
     return BodyLimit(fast_lane, max_bytes=int(config.max_body_mb * 2**20))
+
+
+def _dialect_error(dialect: Dialect, error: ApiError) -> Response:
+    """``error`` in the shape of the API the harness spoke (with its Retry-After)."""
+    response = dialect_error(dialect, error.status, error.message)
+    if isinstance(error, RateLimited):
+        response.headers.update(
+            {k: v for k, v in error.response().headers.items() if "retry-after" in k}
+        )
+    return response
 
 
 def _admission(gate: AdmissionGate, drained: bool) -> Admission:

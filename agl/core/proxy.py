@@ -2,8 +2,11 @@
 
 The forwarded request asks the endpoint for vLLM's ``logprobs`` and ``return_token_ids``;
 the answer keeps those for the ``model_request`` event and goes back to the harness as a
-plain OpenAI answer. A call is acknowledged (its last byte sent) only after its event is
-stored, so nothing the harness received is missing from the record.
+plain OpenAI answer. Text completions (``/v1/completions``) go the same way, recorded in
+the same layout with the prompt instead of messages: vLLM puts their ids on each choice
+and their logprobs completions-style (``token_logprobs``). A call is acknowledged (its
+last byte sent) only after its event is stored, so nothing the harness received is
+missing from the record.
 
 The bytes sent are stored with the event as a pending answer until all of them are with
 the kernel. When the gateway dies in between, the harness never saw an answer the
@@ -33,7 +36,7 @@ from starlette.types import Receive, Scope, Send
 
 from agl.core.admission import AdmissionGate, Ticket
 from agl.core.calls import invalid_reason
-from agl.core.dialects import Dialect, DialectError, StreamTranslator
+from agl.core.dialects import ANTHROPIC, Dialect, DialectError, StreamTranslator
 from agl.core.errors import ApiError, error_response
 from agl.core.records import EventIn, ModelEndpoint, storable
 from agl.core.store import PendingAnswer, Store
@@ -47,7 +50,7 @@ PROXY_EVENT_TYPES = frozenset({MODEL_REQUEST, MODEL_REQUEST_FAILED})
 
 # vLLM's additions to an OpenAI answer; the harness gets the answer without them.
 _EXTRA_TOP = ("prompt_token_ids", "prompt_logprobs", "prompt_text", "kv_transfer_params")
-_EXTRA_CHOICE = ("token_ids",)
+_EXTRA_CHOICE = ("token_ids", "prompt_token_ids", "prompt_logprobs")
 
 
 class Router:
@@ -83,10 +86,15 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: str | None = None
+    prompt_ids: list[int] | None = None  # a text completion's, on its choice's first chunk
 
     def add(self, choice: dict[str, Any]) -> None:
         self.token_ids.extend(choice.get("token_ids") or ())
         self.logprobs.extend(_logprobs(choice))
+        if choice.get("prompt_token_ids") is not None:
+            self.prompt_ids = choice["prompt_token_ids"]
+        if isinstance(choice.get("text"), str):  # a text completion's chunk
+            self.text.append(choice["text"])
         delta = choice.get("delta") or {}
         if delta.get("content"):
             self.text.append(delta["content"])
@@ -111,13 +119,25 @@ class _Choice:
 
 
 def _logprobs(choice: dict[str, Any]) -> list[Any]:
-    """The sampled tokens' logprobs as the endpoint gave them; whatever is malformed here
-    makes the call invalid for training (``invalid_reason``), not a failed call."""
+    """The sampled tokens' logprobs as the endpoint gave them, chat-style
+    (``content[].logprob``) or completions-style (``token_logprobs``); whatever is
+    malformed here makes the call invalid for training (``invalid_reason``), not a failed
+    call."""
     logprobs = choice.get("logprobs")
-    content = logprobs.get("content") if isinstance(logprobs, dict) else None
-    if not isinstance(content, list):
+    if not isinstance(logprobs, dict):
         return []
-    return [entry.get("logprob") if isinstance(entry, dict) else None for entry in content]
+    content = logprobs.get("content")
+    if isinstance(content, list):
+        return [entry.get("logprob") if isinstance(entry, dict) else None for entry in content]
+    values = logprobs.get("token_logprobs")
+    return list(values) if isinstance(values, list) else []
+
+
+def _answer_message(choice: dict[str, Any]) -> dict[str, Any]:
+    """A unary choice's message; a text completion's text is its content."""
+    if isinstance(choice.get("text"), str):
+        return {"role": "assistant", "content": choice["text"]}
+    return choice.get("message") or {}
 
 
 @dataclass(frozen=True)
@@ -128,12 +148,21 @@ class _ChatApi:
     request: dict[str, Any]
 
     name = "chat"
+    path = "/chat/completions"
+
+    def forwarded(self) -> dict[str, Any]:
+        """vLLM's additions that make an answer recordable."""
+        return {"logprobs": True, "return_token_ids": True}
+
+    @property
+    def keep_logprobs(self) -> bool:
+        return bool(self.request.get("logprobs"))
 
     def answer(self, answer: dict[str, Any]) -> bytes:
-        return orjson.dumps(_for_harness(self.request, answer))
+        return orjson.dumps(_for_harness(self.request, answer, self.keep_logprobs))
 
     def stream(self) -> _ChatStream:
-        return _ChatStream(self.request)
+        return _ChatStream(self.request, self.keep_logprobs)
 
     def error(self, status: int, message: str, upstream_body: bytes | None = None) -> Response:
         if upstream_body is not None and _is_json_object(upstream_body):
@@ -142,11 +171,30 @@ class _ChatApi:
 
 
 @dataclass(frozen=True)
+class _TextApi(_ChatApi):
+    """The harness asks for a text completion (``/v1/completions``): as chat, but
+    ``logprobs`` is a number of top logprobs, and 0 asks for the sampled token's."""
+
+    name = "completions"
+    path = "/completions"
+
+    def forwarded(self) -> dict[str, Any]:
+        asked = self.request.get("logprobs")
+        return {"logprobs": 0 if asked is None else asked, "return_token_ids": True}
+
+    @property
+    def keep_logprobs(self) -> bool:
+        return self.request.get("logprobs") is not None
+
+
+@dataclass(frozen=True)
 class _ChatStream:
     request: dict[str, Any]
+    keep_logprobs: bool
 
     def feed(self, chunk: dict[str, Any]) -> list[bytes]:
-        return [b"data: " + orjson.dumps(_for_harness(self.request, chunk)) + b"\n\n"]
+        answer = _for_harness(self.request, chunk, self.keep_logprobs)
+        return [b"data: " + orjson.dumps(answer) + b"\n\n"]
 
     def finish(self) -> list[bytes]:
         return [b"data: [DONE]\n\n"]
@@ -163,9 +211,14 @@ class _DialectApi:
     dialect: Dialect
     request: dict[str, Any]  # as the harness sent it
 
+    path = "/chat/completions"
+
     @property
     def name(self) -> str:
         return self.dialect.name
+
+    def forwarded(self) -> dict[str, Any]:
+        return {"logprobs": True, "return_token_ids": True}
 
     def answer(self, answer: dict[str, Any]) -> bytes:
         return orjson.dumps(self.dialect.from_chat(answer, self.request))
@@ -177,10 +230,11 @@ class _DialectApi:
         return dialect_error(self.dialect, status, message)
 
 
-def _for_harness(request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+def _for_harness(
+    request: dict[str, Any], answer: dict[str, Any], keep_logprobs: bool
+) -> dict[str, Any]:
     for key in _EXTRA_TOP:
         answer.pop(key, None)
-    keep_logprobs = bool(request.get("logprobs"))
     for choice in answer.get("choices") or ():
         for key in _EXTRA_CHOICE:
             choice.pop(key, None)
@@ -199,7 +253,7 @@ def dialect_error(dialect: Dialect, status: int, message: str) -> Response:
     )
 
 
-_Api = _ChatApi | _DialectApi
+_Api = _ChatApi | _TextApi | _DialectApi
 
 
 @dataclass(frozen=True)
@@ -208,10 +262,17 @@ class CallContext:
     attempt: int
     mode: str
     endpoint: ModelEndpoint
-    request: dict[str, Any]  # the chat request the endpoint gets (before our additions)
+    request: dict[str, Any]  # the request the endpoint gets (before our additions)
     request_hash: bytes
     started: float
     api: _Api
+
+    def recorded_input(self) -> dict[str, Any]:
+        """What the model was given, for monitoring: a chat's messages, or a text
+        completion's prompt (its token ids are recorded either way)."""
+        if isinstance(self.api, _TextApi):
+            return {"prompt": self.request.get("prompt")}
+        return {"messages": self.request["messages"]}
 
 
 class RecordingProxy:
@@ -233,16 +294,7 @@ class RecordingProxy:
     ) -> Response:
         """Forward one call and record it. With a ``dialect`` the body is that API's
         request, translated to one chat request and its answer (and errors) back."""
-        try:
-            original = orjson.loads(body)
-        except orjson.JSONDecodeError as error:
-            raise ApiError(400, f"request body is not valid JSON: {error}") from None
-        if not isinstance(original, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        try:
-            storable(original)  # it is recorded, and must read back
-        except ValueError as error:
-            raise ApiError(400, f"request body: {error}") from None
+        original = _request_of(body)
         api: _Api = _ChatApi(original)
         request = original
         if dialect is not None:
@@ -253,6 +305,58 @@ class RecordingProxy:
                 return api.error(error.status, error.message)
         if not isinstance(request.get("messages"), list):
             raise ApiError(400, "a chat completion needs a JSON object with a 'messages' list")
+        return await self._call(rollout_id, attempt, mode, body, api, request)
+
+    async def completions(self, rollout_id: str, attempt: int, mode: str, body: bytes) -> Response:
+        """Forward one text completion (``/v1/completions``) and record it."""
+        request = _request_of(body)
+        prompt = request.get("prompt")
+        if not isinstance(prompt, str | list) or not prompt:
+            raise ApiError(400, "a text completion needs a 'prompt': a string or token ids")
+        if request.get("echo"):
+            # vLLM would answer the prompt's logprobs with the sampled ones, which no
+            # longer line up with the sampled ids: the call could not be trained on.
+            raise ApiError(400, "'echo' is not supported through the recording proxy")
+        return await self._call(rollout_id, attempt, mode, body, _TextApi(request), request)
+
+    async def count_tokens(self, rollout_id: str, body: bytes) -> Response:
+        """Anthropic's ``/v1/messages/count_tokens``: the request's prompt, as its messages
+        call would send it, counted by the rollout's endpoint (vLLM's ``/tokenize``, at
+        the server's root). Answers ``{"input_tokens": n}``; nothing is recorded."""
+        try:
+            request = ANTHROPIC.count_tokens_request(_request_of(body))
+        except DialectError as error:
+            return dialect_error(ANTHROPIC, error.status, error.message)
+        endpoint = self.router.pick(request.get("model"), rollout_id)
+        query = {**request, "model": endpoint.model}
+        query.setdefault("add_generation_prompt", True)
+        url = endpoint.endpoint.rstrip("/").removesuffix("/v1") + "/tokenize"
+        try:
+            upstream = await self.upstream.open(url, orjson.dumps(query))
+        except UpstreamUnavailable as error:
+            return dialect_error(ANTHROPIC, 502, f"inference endpoint unreachable: {error}")
+        async with upstream:
+            payload = await upstream.read()
+        if upstream.status != 200:
+            message = f"the endpoint's /tokenize answered: {_upstream_message(payload)}"
+            return dialect_error(ANTHROPIC, upstream.status, message)
+        try:
+            count = orjson.loads(payload)["count"]
+        except _MALFORMED:  # orjson.JSONDecodeError is a ValueError
+            count = None
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            return dialect_error(ANTHROPIC, 502, "the endpoint's /tokenize gave no count")
+        return Response(orjson.dumps({"input_tokens": count}), media_type="application/json")
+
+    async def _call(
+        self,
+        rollout_id: str,
+        attempt: int,
+        mode: str,
+        body: bytes,
+        api: _Api,
+        request: dict[str, Any],
+    ) -> Response:
         request_hash = hashlib.sha256(body).digest()
         lost = await self.store.claim_answer(rollout_id, attempt, request_hash, self.boot)
         if lost is not None:
@@ -270,16 +374,11 @@ class RecordingProxy:
                 endpoint = self.router.pick(request.get("model"), rollout_id)
             except ApiError as error:
                 return api.error(error.status, error.message)
-            forwarded = {
-                **request,
-                "model": endpoint.model,
-                "logprobs": True,
-                "return_token_ids": True,
-            }
+            forwarded = {**request, "model": endpoint.model, **api.forwarded()}
             call = CallContext(
                 rollout_id, attempt, mode, endpoint, request, request_hash, time.monotonic(), api
             )
-            url = endpoint.endpoint.rstrip("/") + "/chat/completions"
+            url = endpoint.endpoint.rstrip("/") + api.path
             if request.get("stream"):
                 return await self._stream(call, url, orjson.dumps(forwarded), ticket)
             return await self._unary(call, url, orjson.dumps(forwarded))
@@ -303,11 +402,12 @@ class RecordingProxy:
             calls = [
                 self._call_data(
                     call,
-                    answer.get("prompt_token_ids"),
+                    # vLLM puts a text completion's prompt ids on its choice, a chat's on top
+                    c.get("prompt_token_ids") or answer.get("prompt_token_ids"),
                     c.get("token_ids"),
                     _logprobs(c),
                     c.get("finish_reason"),
-                    c.get("message") or {},
+                    _answer_message(c),
                 )
                 for c in answer["choices"]
             ]
@@ -379,7 +479,12 @@ class RecordingProxy:
                 call,
                 [
                     self._call_data(
-                        call, prompt_ids, c.token_ids, c.logprobs, c.finish_reason, c.message()
+                        call,
+                        c.prompt_ids or prompt_ids,
+                        c.token_ids,
+                        c.logprobs,
+                        c.finish_reason,
+                        c.message(),
                     )
                     for _, c in sorted(choices.items())
                 ],
@@ -418,14 +523,14 @@ class RecordingProxy:
             "logprobs": logprobs,
             "policy_version": call.endpoint.policy_version,
             "finish_reason": finish_reason,
-            "messages": call.request["messages"],
+            **call.recorded_input(),
             "response": message.get("content"),
             "latency_s": time.monotonic() - call.started,
             "model": call.endpoint.model,
             "endpoint": call.endpoint.endpoint,
             "mode": call.mode,
         }
-        if isinstance(call.api, _DialectApi):
+        if call.api.name != "chat":  # chat completions, the default, goes unnamed
             data["api"] = call.api.name
         if message.get("tool_calls"):
             data["tool_calls"] = message["tool_calls"]
@@ -485,7 +590,7 @@ class RecordingProxy:
         data = {
             "status": status,
             "error": message,
-            "messages": call.request["messages"],
+            **call.recorded_input(),
             "latency_s": time.monotonic() - call.started,
             "endpoint": call.endpoint.endpoint,
             "mode": call.mode,
@@ -502,6 +607,21 @@ class RecordingProxy:
     ) -> Response:
         await self._record_failure(call, status, message)
         return call.api.error(status, message, body)
+
+
+def _request_of(body: bytes) -> dict[str, Any]:
+    """A harness's request body: a JSON object that the store can hold."""
+    try:
+        request = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise ApiError(400, f"request body is not valid JSON: {error}") from None
+    if not isinstance(request, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        storable(request)  # it is recorded, and must read back
+    except ValueError as error:
+        raise ApiError(400, f"request body: {error}") from None
+    return request
 
 
 class _StreamBroke(Exception):

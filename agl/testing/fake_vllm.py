@@ -3,6 +3,9 @@
 It answers ``/v1/chat/completions`` as vLLM does when asked for ``logprobs`` and
 ``return_token_ids``: ``prompt_token_ids`` at the top, ``token_ids`` and
 ``logprobs.content`` on each choice, the same fields chunk by chunk when streaming.
+``/v1/completions`` (text completions) likewise, in vLLM's completions shape:
+``prompt_token_ids`` and ``token_ids`` on each choice, completions-style ``logprobs``.
+``/tokenize`` counts a prompt as vLLM's does.
 Tokens are bytes of a tiny fixed chat template, so tests can predict every id.
 Failures and delays are injected through attributes (in process) or ``POST /control``.
 
@@ -47,6 +50,15 @@ def logprob(position: int) -> float:
     return -0.01 - 0.25 * (position % 5)
 
 
+def completion_for(prompt: str) -> str:
+    """The text completion of a prompt: deterministic, and says what it continued."""
+    return f" after {len(prompt)}: {prompt[-16:]}"
+
+
+# vLLM's (and OpenAI's) cap of a text completion that sets no max_tokens.
+COMPLETION_MAX_TOKENS = 16
+
+
 def reply_for(messages: list[dict[str, Any]]) -> str:
     """The answer to a conversation: deterministic and different per turn."""
     last = messages[-1].get("content") if messages else ""
@@ -76,6 +88,8 @@ class FakeVllm:
         self.requests: list[dict[str, Any]] = []
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self.chat)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_post("/tokenize", self.tokenize)
         self.app.router.add_post("/control", self.control)
         self.app.router.add_get("/v1/models", self.models)
 
@@ -109,7 +123,8 @@ class FakeVllm:
             return _Answer(text, None, encode(text), "length")
         return _Answer(text, None, [*encode(text), EOS], "stop")
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def _take(self, request: web.Request) -> dict[str, Any] | web.Response:
+        """The request's body, or the answer the tests' injected failures make of it."""
         try:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError as error:
@@ -130,6 +145,12 @@ class FakeVllm:
             return web.Response(body=self.raw_next.pop(0), content_type=kind)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
+        return body
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._take(request)
+        if isinstance(body, web.Response):
+            return body
         if not isinstance(body.get("messages"), list) or not body["messages"]:
             return web.json_response(
                 {"error": {"message": "messages must be a non-empty list"}}, status=400
@@ -238,6 +259,133 @@ class FakeVllm:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """A text completion, shaped as vLLM's: ids on each choice, completions-style
+        logprobs (``logprobs`` is an integer), one choice per streamed chunk."""
+        body = await self._take(request)
+        if isinstance(body, web.Response):
+            return body
+        prompt = _prompt_of(body.get("prompt"))
+        if prompt is None:
+            return _bad_request("prompt must be a non-empty string or list of token ids")
+        max_tokens = body.get("max_tokens", COMPLETION_MAX_TOKENS)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return _bad_request("max_tokens must be a positive integer")
+        logprobs = body.get("logprobs")
+        if logprobs is not None and (not isinstance(logprobs, int) or logprobs < 0):
+            return _bad_request("logprobs must be a non-negative integer")
+        ids = encode(prompt) if isinstance(prompt, str) else prompt
+        text = completion_for(prompt if isinstance(prompt, str) else _decode(prompt))
+        if max_tokens < len(text.encode()):
+            text = text.encode()[:max_tokens].decode(errors="ignore")
+            answer = _Answer(text, None, encode(text), "length")
+        else:
+            answer = _Answer(text, None, [*encode(text), EOS], "stop")
+        want_ids = bool(body.get("return_token_ids"))
+        head = {
+            "id": f"cmpl-{time.monotonic_ns()}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model", self.model),
+        }
+        if body.get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for i, (token, delta) in enumerate(_pieces(answer)):
+                if self.stream_break_after is not None and i >= self.stream_break_after:
+                    request.transport.close()  # type: ignore[union-attr]
+                    return response
+                last = i == len(answer.ids) - 1
+                choice = _text_choice(
+                    delta.get("content", ""),
+                    [token],
+                    i,
+                    answer.finish_reason if last else None,
+                    logprobs is not None,
+                )
+                if want_ids:
+                    choice.update({"prompt_token_ids": ids} if i == 0 else {})
+                    choice["token_ids"] = [token]
+                chunk = {**head, "choices": [choice]}
+                await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                if self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        choice = _text_choice(
+            answer.text or "", answer.ids, 0, answer.finish_reason, logprobs is not None
+        )
+        if want_ids:
+            choice.update(prompt_token_ids=ids, token_ids=answer.ids)
+        payload = {
+            **head,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": len(answer.ids),
+                "total_tokens": len(ids) + len(answer.ids),
+            },
+        }
+        return web.Response(body=orjson.dumps(payload), content_type="application/json")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: ``messages`` through the chat template (with the
+        generation prompt, which this template always adds), or a ``prompt``."""
+        body = await self._take(request)
+        if isinstance(body, web.Response):
+            return body
+        messages = body.get("messages")
+        if messages is not None:
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                return _bad_request("messages must be a list of objects")
+            tokens = prompt_ids(messages)
+        else:
+            prompt = _prompt_of(body.get("prompt"))
+            if prompt is None:
+                return _bad_request("give messages or a prompt")
+            tokens = encode(prompt) if isinstance(prompt, str) else prompt
+        return web.json_response({"count": len(tokens), "tokens": tokens, "max_model_len": 4096})
+
+
+def _prompt_of(prompt: object) -> str | list[int] | None:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt
+    return None
+
+
+def _decode(ids: list[int]) -> str:
+    return bytes(t - BYTE_OFFSET for t in ids if BYTE_OFFSET <= t < BYTE_OFFSET + 256).decode(
+        errors="replace"
+    )
+
+
+def _text_choice(
+    text: str, ids: list[int], first: int, finish_reason: str | None, want_logprobs: bool
+) -> dict[str, Any]:
+    """One choice of a text completion; ``first`` is the position of its first token."""
+    logprobs = None
+    if want_logprobs:
+        tokens = [f"<{t}>" for t in ids]
+        values = [logprob(first + i) for i in range(len(ids))]
+        logprobs = {
+            "text_offset": list(range(first, first + len(ids))),
+            "token_logprobs": values,
+            "tokens": tokens,
+            "top_logprobs": [{t: v} for t, v in zip(tokens, values, strict=True)],
+        }
+    return {
+        "index": 0,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
+    }
 
 
 def _bad_request(message: str) -> web.Response:

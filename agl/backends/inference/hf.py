@@ -5,6 +5,12 @@ asked for ``logprobs`` and ``return_token_ids``, an answer carries ``prompt_toke
 the top, ``token_ids`` and ``logprobs.content[].logprob`` on each choice, and the same
 fields chunk by chunk when streaming.
 
+``POST /v1/completions`` (text completions) follows vLLM too: one prompt, a string or a
+list of token ids; ``logprobs`` is an integer and comes back completions-style
+(``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``); ``return_token_ids``
+puts ``prompt_token_ids`` and ``token_ids`` on each choice (in a stream, a choice's first
+chunk carries its ``prompt_token_ids``). ``POST /tokenize`` counts a prompt as vLLM's does.
+
 Text and tokens follow vLLM's conventions:
 - the prompt is the tokenizer's chat template rendered to text and tokenized without
   added special tokens;
@@ -38,7 +44,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from agl.backends.inference.engine import Engine, EngineError, Generation, SamplingParams
+from agl.backends.inference.engine import Delta, Engine, EngineError, Generation, SamplingParams
 from agl.core.byte_level import byte_level_chars
 from agl.core.errors import ApiError, error_response
 
@@ -148,6 +154,23 @@ def parse_request(body: object, model_name: str, max_batch_size: int) -> ChatReq
     max_tokens = _optional(body, "max_completion_tokens", int, minimum=1)
     if max_tokens is None:
         max_tokens = _optional(body, "max_tokens", int, minimum=1)
+    return ChatRequest(
+        messages=messages,
+        tools=tools or None,
+        parse_tools=bool(tools) and tool_choice != "none",
+        params=_sampling(body, max_batch_size),
+        max_tokens=max_tokens,
+        stop=_stops(body.get("stop")),
+        stream=bool(_optional(body, "stream", bool)),
+        include_usage=_include_usage(body),
+        want_logprobs=bool(_optional(body, "logprobs", bool)),
+        want_token_ids=bool(_optional(body, "return_token_ids", bool)),
+    )
+
+
+def _sampling(body: dict[str, Any], max_batch_size: int) -> SamplingParams:
+    """The sampling fields chat and text completions share; ``max_tokens`` is set once
+    the prompt is known."""
     temperature = _optional(body, "temperature", float, minimum=0.0)
     top_p = _optional(body, "top_p", float)
     if top_p is not None and not 0 < top_p <= 1:
@@ -155,28 +178,84 @@ def parse_request(body: object, model_name: str, max_batch_size: int) -> ChatReq
     n = _optional(body, "n", int, minimum=1)
     if n is not None and n > max_batch_size:
         raise ApiError(400, f"'n' must be at most {max_batch_size} (the batch size)")
+    return SamplingParams(
+        max_tokens=1,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        seed=_optional(body, "seed", int),
+        n=n or 1,
+        ignore_eos=bool(_optional(body, "ignore_eos", bool)),
+    )
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise ApiError(400, "'stream_options' must be an object")
-    return ChatRequest(
-        messages=messages,
-        tools=tools or None,
-        parse_tools=bool(tools) and tool_choice != "none",
-        params=SamplingParams(
-            max_tokens=max_tokens or 1,  # the real cap is set once the prompt is known
-            temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p,
-            seed=_optional(body, "seed", int),
-            n=n or 1,
-            ignore_eos=bool(_optional(body, "ignore_eos", bool)),
-        ),
-        max_tokens=max_tokens,
+    return bool(_optional(stream_options, "include_usage", bool))
+
+
+# vLLM's (and OpenAI's) default cap of a text completion, when the request sets none.
+COMPLETION_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str | list[int]
+    add_special_tokens: bool
+    params: SamplingParams
+    max_tokens: int | None  # as asked (None: COMPLETION_MAX_TOKENS, or what fits)
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # completions-style: how many top logprobs (None: none)
+    want_token_ids: bool
+
+
+def parse_completion_request(
+    body: object, model_name: str, max_batch_size: int
+) -> CompletionRequest:
+    """Validate a text completion body; raises ``ApiError`` (4xx) saying what is wrong."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(
+            404, f"the model {model!r} does not exist; this server serves {model_name!r}"
+        )
+    if body.get("echo"):
+        raise ApiError(400, "'echo' is not supported by this server")
+    if body.get("suffix") is not None:
+        raise ApiError(400, "'suffix' is not supported by this server")  # nor by vLLM
+    return CompletionRequest(
+        prompt=_one_prompt(body.get("prompt")),
+        add_special_tokens=_optional(body, "add_special_tokens", bool) is not False,
+        params=_sampling(body, max_batch_size),
+        max_tokens=_optional(body, "max_tokens", int, minimum=1),
         stop=_stops(body.get("stop")),
         stream=bool(_optional(body, "stream", bool)),
-        include_usage=bool(_optional(stream_options, "include_usage", bool)),
-        want_logprobs=bool(_optional(body, "logprobs", bool)),
+        include_usage=_include_usage(body),
+        logprobs=_optional(body, "logprobs", int, minimum=0),
         want_token_ids=bool(_optional(body, "return_token_ids", bool)),
     )
+
+
+def _one_prompt(prompt: object) -> str | list[int]:
+    """A string or a list of token ids; a batch of one is that one. Batches of several
+    prompts are refused: one prompt per request keeps one call one record."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise ApiError(400, "'prompt' holds several prompts; send one prompt per request")
+    raise ApiError(400, "'prompt' must be a non-empty string or a non-empty list of token ids")
 
 
 def _is_function_tool(tool: object) -> bool:
@@ -201,13 +280,14 @@ def _optional(body: dict[str, Any], key: str, kind: type, minimum: float | None 
     if kind is int and ok and value != int(value):
         ok = False
     if not ok:
-        raise ApiError(
-            400, f"'{key}' must be {'a boolean' if kind is bool else f'a {kind.__name__}'}"
-        )
+        raise ApiError(400, f"'{key}' must be {_KINDS[kind]}")
     value = kind(value)
     if minimum is not None and value < minimum:
         raise ApiError(400, f"'{key}' must be at least {minimum:g}")
     return value
+
+
+_KINDS = {bool: "a boolean", int: "an integer", float: "a number"}
 
 
 def _stops(stop: object) -> tuple[str, ...]:
@@ -244,7 +324,12 @@ class TokenCodec:
         return self._decode(list(ids))
 
     def encode_prompt(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.encode_text(text, add_special_tokens=False)
+
+    def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """A text completion's prompt: with the tokenizer's special tokens (a bos) by
+        default, as vLLM; a rendered chat template already holds its own."""
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def entry(self, token_id: int) -> tuple[str, list[int]]:
         """A token's text and its bytes, for ``logprobs.content`` (cached)."""
@@ -425,6 +510,8 @@ class ChatServer:
         return Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
             ],
@@ -454,27 +541,17 @@ class ChatServer:
         return _json({"object": "list", "data": [card]})
 
     async def chat(self, request: Request) -> Response:
-        try:
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError as error:
-            raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+        body = await _json_body(request)
         chat = parse_request(body, self.model_name, self.engine.max_batch_size)
-        prompt_ids = self._prompt(chat)
-        params = self._params(chat, prompt_ids)
+        prompt_ids = self._prompt(chat.messages, chat.tools)
+        params = self._params(chat.params, chat.max_tokens, prompt_ids, "the messages")
+        incremental = chat.stream or bool(chat.stop)
         try:
-            generation = self.engine.submit(
-                prompt_ids, params, stream=chat.stream or bool(chat.stop)
-            )
+            generation = self.engine.submit(prompt_ids, params, stream=incremental)
         except EngineError as error:  # closed: the server is shutting down
             return error_response(503, str(error))
         outputs = [
-            ChoiceOutput(
-                i,
-                self.tokens,
-                chat.stop,
-                chat.parse_tools,
-                incremental=chat.stream or bool(chat.stop),
-            )
+            ChoiceOutput(i, self.tokens, chat.stop, chat.parse_tools, incremental=incremental)
             for i in range(params.n)
         ]
         try:
@@ -487,10 +564,64 @@ class ChatServer:
             if not chat.stream and not generation.finished:
                 generation.cancel()
 
-    def _prompt(self, chat: ChatRequest) -> list[int]:
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``: a text completion of one prompt, as vLLM answers it."""
+        body = await _json_body(request)
+        text = parse_completion_request(body, self.model_name, self.engine.max_batch_size)
+        prompt_ids = self._completion_prompt(text.prompt, text.add_special_tokens)
+        max_tokens = text.max_tokens
+        if max_tokens is None:  # the default cap, or what the context leaves of it
+            max_tokens = max(
+                1, min(COMPLETION_MAX_TOKENS, self.engine.max_context - len(prompt_ids))
+            )
+        params = self._params(text.params, max_tokens, prompt_ids, "the prompt")
+        incremental = text.stream or bool(text.stop)
+        try:
+            generation = self.engine.submit(prompt_ids, params, stream=incremental)
+        except EngineError as error:
+            return error_response(503, str(error))
+        outputs = [
+            ChoiceOutput(i, self.tokens, text.stop, parse_tools=False, incremental=incremental)
+            for i in range(params.n)
+        ]
+        try:
+            if text.stream:
+                return await self._stream_text(text, generation, prompt_ids, outputs)
+            await _collect(generation, outputs, bool(text.stop))
+            return self._text_answer(text, generation, prompt_ids, outputs)
+        except EngineError as error:
+            return error_response(500, f"generation failed: {error}")
+        finally:
+            if not text.stream and not generation.finished:
+                generation.cancel()
+
+    async def tokenize(self, request: Request) -> Response:
+        """``POST /tokenize`` as vLLM serves it: ``messages`` (rendered with the chat
+        template, as a chat completion would be) or ``prompt``; answers ``count``,
+        ``tokens`` and ``max_model_len``."""
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        if "messages" in body:
+            chat = parse_request(body, self.model_name, self.engine.max_batch_size)
+            add_generation_prompt = _optional(body, "add_generation_prompt", bool) is not False
+            tokens = self._prompt(chat.messages, chat.tools, add_generation_prompt)
+        else:
+            special = _optional(body, "add_special_tokens", bool) is not False
+            tokens = self._completion_prompt(_one_prompt(body.get("prompt")), special)
+        return _json(
+            {"count": len(tokens), "tokens": tokens, "max_model_len": self.engine.max_context}
+        )
+
+    def _prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(
-                chat.messages, tools=chat.tools, add_generation_prompt=True, tokenize=False
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except Exception as error:  # jinja: a conversation this template cannot render
             raise ApiError(
@@ -498,31 +629,36 @@ class ChatServer:
             ) from None
         return self.tokens.encode_prompt(text)
 
-    def _params(self, chat: ChatRequest, prompt_ids: list[int]) -> SamplingParams:
+    def _completion_prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokens.encode_text(prompt, add_special_tokens)
+        vocabulary = len(self.tokenizer)
+        bad = next((t for t in prompt if not 0 <= t < vocabulary), None)
+        if bad is not None:
+            raise ApiError(
+                400, f"prompt token id {bad} is not in the vocabulary (0-{vocabulary - 1})"
+            )
+        return list(prompt)
+
+    def _params(
+        self, p: SamplingParams, max_tokens: int | None, prompt_ids: list[int], what: str
+    ) -> SamplingParams:
         context = self.engine.max_context
         room = context - len(prompt_ids)
         if room < 1:
             raise ApiError(
                 400,
-                f"this model's maximum context length is {context} tokens; the messages "
+                f"this model's maximum context length is {context} tokens; {what} "
                 f"have {len(prompt_ids)}",
             )
-        if chat.max_tokens is not None and chat.max_tokens > room:
+        if max_tokens is not None and max_tokens > room:
             raise ApiError(
                 400,
                 f"this model's maximum context length is {context} tokens; you requested "
-                f"{len(prompt_ids) + chat.max_tokens} ({len(prompt_ids)} in the messages, "
-                f"{chat.max_tokens} in the completion)",
+                f"{len(prompt_ids) + max_tokens} ({len(prompt_ids)} in {what}, "
+                f"{max_tokens} in the completion)",
             )
-        p = chat.params
-        return SamplingParams(
-            max_tokens=chat.max_tokens or room,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            seed=p.seed,
-            n=p.n,
-            ignore_eos=p.ignore_eos,
-        )
+        return dataclasses.replace(p, max_tokens=max_tokens or room)
 
     async def _unary(
         self,
@@ -531,16 +667,7 @@ class ChatServer:
         prompt_ids: list[int],
         outputs: list[ChoiceOutput],
     ) -> Response:
-        if chat.stop:  # stop strings are found token by token, as the text grows
-            async for batch in generation.deltas():
-                for delta in batch:
-                    if outputs[delta.index].add(
-                        delta.token_ids, delta.logprobs, delta.finish_reason
-                    ):
-                        generation.cancel(delta.index)
-        else:
-            for choice in await generation.wait():
-                outputs[choice.index].add(choice.token_ids, choice.logprobs, choice.finish_reason)
+        await _collect(generation, outputs, bool(chat.stop))
         choices = []
         for out in outputs:
             content, tool_calls = out.message()
@@ -579,15 +706,7 @@ class ChatServer:
         prompt_ids: list[int],
         outputs: list[ChoiceOutput],
     ) -> Response:
-        deltas = generation.deltas()
-        # Wait for the first tokens before answering: by then the request is admitted,
-        # so the policy version is known (a header), and an engine failure is a plain 500.
-        try:
-            first = await anext(deltas)
-        except BaseException:
-            if not generation.finished:  # cancelled: the client went away meanwhile
-                generation.cancel()
-            raise
+        deltas, first = await _first_deltas(generation)
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk",
@@ -624,15 +743,7 @@ class ChatServer:
                 yield b"data: [DONE]\n\n"
             except EngineError as error:
                 # No [DONE]: a proxy must see a broken stream, not a short answer.
-                yield _sse(
-                    {
-                        "error": {
-                            "message": f"generation failed: {error}",
-                            "type": "api_error",
-                            "code": 500,
-                        }
-                    }
-                )
+                yield _stream_error(error)
             finally:
                 if not generation.finished:  # the client went away
                     generation.cancel()
@@ -682,12 +793,173 @@ class ChatServer:
             chunks.append(closing)
         return chunks
 
+    def _text_answer(
+        self,
+        text: CompletionRequest,
+        generation: Generation,
+        prompt_ids: list[int],
+        outputs: list[ChoiceOutput],
+    ) -> Response:
+        choices = []
+        for out in outputs:
+            choice: dict[str, Any] = {
+                "index": out.index,
+                "text": out.text,
+                "logprobs": self._text_logprobs(out.token_ids, out.logprobs, 0)
+                if text.logprobs is not None
+                else None,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+            if text.want_token_ids:
+                choice["prompt_token_ids"] = prompt_ids
+                choice["token_ids"] = out.token_ids
+            choices.append(choice)
+        answer = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(prompt_ids, outputs),
+        }
+        return _json(answer, headers=_version_header(generation))
+
+    async def _stream_text(
+        self,
+        text: CompletionRequest,
+        generation: Generation,
+        prompt_ids: list[int],
+        outputs: list[ChoiceOutput],
+    ) -> Response:
+        deltas, first = await _first_deltas(generation)
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+        offsets = [0] * len(outputs)  # text_offset of each choice's next token
+        opened = [False] * len(outputs)  # each choice's first chunk carries the prompt ids
+
+        def step(delta: Any) -> dict[str, Any] | None:
+            out = outputs[delta.index]
+            if out.finish_reason:
+                return None
+            before = len(out.token_ids)
+            if out.add(delta.token_ids, delta.logprobs, delta.finish_reason):
+                generation.cancel(delta.index)
+            new_ids = out.token_ids[before:]
+            new_text = out.take_text()
+            if not (new_ids or new_text or out.finish_reason):
+                return None
+            choice: dict[str, Any] = {
+                "index": out.index,
+                "text": new_text,
+                "logprobs": None,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+            if text.logprobs is not None:
+                logprobs = self._text_logprobs(new_ids, out.logprobs[before:], offsets[out.index])
+                offsets[out.index] += sum(len(t) for t in logprobs["tokens"])
+                choice["logprobs"] = logprobs
+            if text.want_token_ids:
+                if not opened[out.index]:
+                    choice["prompt_token_ids"] = prompt_ids
+                choice["token_ids"] = new_ids
+            opened[out.index] = True
+            return choice
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                batch: list | None = first
+                while batch is not None:
+                    for delta in batch:  # one choice per chunk, as vLLM streams
+                        if (choice := step(delta)) is not None:
+                            yield _sse({**head, "choices": [choice]})
+                    batch = await anext(deltas, None)
+                if text.include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(prompt_ids, outputs)})
+                yield b"data: [DONE]\n\n"
+            except EngineError as error:
+                yield _stream_error(error)  # no [DONE]: a proxy must see a broken stream
+            finally:
+                if not generation.finished:
+                    generation.cancel()
+
+        return StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", **_version_header(generation)},
+        )
+
+    def _text_logprobs(
+        self, token_ids: list[int], logprobs: list[float], offset: int
+    ) -> dict[str, Any]:
+        """Completions-style logprobs. The engine keeps the sampled token's logprob only,
+        so ``top_logprobs`` holds that one token whatever number was asked (vLLM's
+        answer to ``logprobs: 0``)."""
+        tokens, offsets = [], []
+        for token in token_ids:
+            piece, _ = self.tokens.entry(token)
+            tokens.append(piece)
+            offsets.append(offset)
+            offset += len(piece)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": list(logprobs),
+            "tokens": tokens,
+            "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs, strict=True)],
+        }
+
     def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
         content = []
         for token, logprob in zip(token_ids, logprobs, strict=True):
             text, raw = self.tokens.entry(token)
             content.append({"token": text, "logprob": logprob, "bytes": raw, "top_logprobs": []})
         return {"content": content}
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return orjson.loads(await request.body())
+    except orjson.JSONDecodeError as error:
+        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+
+
+async def _collect(generation: Generation, outputs: list[ChoiceOutput], stops: bool) -> None:
+    """Run a unary generation to its end into ``outputs``."""
+    if stops:  # stop strings are found token by token, as the text grows
+        async for batch in generation.deltas():
+            for delta in batch:
+                if outputs[delta.index].add(delta.token_ids, delta.logprobs, delta.finish_reason):
+                    generation.cancel(delta.index)
+    else:
+        for choice in await generation.wait():
+            outputs[choice.index].add(choice.token_ids, choice.logprobs, choice.finish_reason)
+
+
+async def _first_deltas(
+    generation: Generation,
+) -> tuple[AsyncIterator[list[Delta]], list[Delta]]:
+    """A stream's deltas and the first of them. A stream answers only once the first
+    tokens are there: by then the request is admitted, so the policy version is known (a
+    header), and an engine failure is a plain 500."""
+    deltas = generation.deltas()
+    try:
+        first = await anext(deltas)
+    except BaseException:
+        if not generation.finished:  # cancelled: the client went away meanwhile
+            generation.cancel()
+        raise
+    return deltas, first
+
+
+def _stream_error(error: EngineError) -> bytes:
+    return _sse(
+        {"error": {"message": f"generation failed: {error}", "type": "api_error", "code": 500}}
+    )
 
 
 def _usage(prompt_ids: list[int], outputs: list[ChoiceOutput]) -> dict[str, int]:
