@@ -391,6 +391,8 @@ class _CPUDeviceModule(types.ModuleType):
 
         if name == "get_device_name":
             return lambda *args, **kwargs: "CPU"  # verl's flops table: unknown = inf
+        if name in ("get_rng_state", "set_rng_state"):
+            return getattr(torch, name)  # checkpoints save "the device's" RNG: the CPU's
         if name == "mem_get_info":
             return lambda *args, **kwargs: (0, 0)
         if name.startswith(("max_memory_", "memory_", "reset_peak_memory")):
@@ -714,14 +716,17 @@ class VerlPolicy:
     # -- weights and checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """The model's full (unsharded) weights as plain CPU tensors, e.g. for vLLM."""
+        """The model's full (unsharded) weights as CPU copies (later steps leave them be),
+        keyed as the HF model's own ``state_dict``, e.g. for a vLLM weight reload."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
         )
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.worker.engine.module, options=options)
+        state = get_model_state_dict(self.worker.engine.module, options=options)
+        # On CPU "offload" is a no-op: the tensors would be the live parameters.
+        return {k: v.detach().clone() for k, v in state.items()}
 
     def save(self, folder: Path) -> None:
         """verl's own FSDP checkpoint (model, optimizer, lr scheduler) under ``folder``."""

@@ -15,7 +15,8 @@ A linear agl sample maps to one row:
 
 - ``prompt`` = its tokens before the first action token, but at least one token: verl
   asserts ``prompt_len > 0``, and a first token has nothing to predict it, so agl never
-  trains it either (``TorchBackend``: "a root token ... is never trained");
+  trains it either (``TorchBackend``: "a root token ... is never trained"); a sample with
+  no action token gets its last token as a (masked) response, so no response is empty;
 - ``response`` = the rest; ``response_mask`` = the sample's ``action_mask`` there (a
   multi-turn sample's later prompts sit inside the response, masked 0, as in verl);
 - ``logprobs``, ``weights`` (the loss strategy's, times ``token_scale``) over the response;
@@ -62,9 +63,15 @@ class VerlRow:
 
 
 def prompt_length(action_mask: Sequence[int]) -> int:
-    """Where verl's response starts: the first action token, but never at 0."""
-    first = next((i for i, a in enumerate(action_mask) if a), len(action_mask))
-    return max(first, 1)
+    """Where verl's response starts: the first action token after token 0 (token 0 has
+    nothing to predict it, so its flag never matters), else the last token, so that the
+    response is never empty. Needs ``len(action_mask) >= 2``; answers ``1..n-1``.
+
+    Canonical: a row's prompt holds no action flag and its response starts with an action
+    (or is a lone last token with none), so re-splitting a joined row gives the same row.
+    """
+    n = len(action_mask)
+    return next((i for i in range(1, n) if action_mask[i]), n - 1)
 
 
 def split(sample: Sample, weights: Sequence[float], advantage: float) -> VerlRow:
