@@ -429,9 +429,12 @@ def test_verl_update_moves_parameters_as_torch_backend(tmp_path: Path) -> None:
             loaded.model,
             VerlBackendConfig(max_tokens_per_micro_batch=40, **common),
             tokenizer=loaded.tokenizer,
-            engine=engine,
+            paused=engine.paused,
             work_dir=tmp_path / "work",
         )
+        # FSDP2 has wrapped the module in place; the engine serves it (inference mode)
+        fresh = load_model("tiny").model
+        assert _engine_logprobs(engine, [5, 6, 7]) == pytest.approx(_greedy(fresh, [5, 6, 7]))
         metrics = policy.train(samples, advantages, loss, token_scale)
         after = policy.state_dict()
         moved = _max_diff(ref_model.state_dict(), before)
@@ -443,12 +446,10 @@ def test_verl_update_moves_parameters_as_torch_backend(tmp_path: Path) -> None:
         assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4)
         # the inference engine serves the very module verl updated
         assert engine.model is loaded.model
-        served = _engine_logprobs(engine, [5, 6, 7, 8, 9])
         plain = load_model("tiny").model
         plain.load_state_dict(after)
-        with torch.no_grad():
-            want = torch.log_softmax(plain(torch.tensor([[5, 6, 7, 8, 9]])).logits[0, -1], -1)
-        assert abs(served[1] - want[served[0]].item()) < 1e-4
+        served = _engine_logprobs(engine, [5, 6, 7, 8, 9])
+        assert served == pytest.approx(_greedy(plain, [5, 6, 7, 8, 9]), abs=1e-4)
         # save / train / load restores the saved weights
         policy.save(tmp_path)
         policy.train(samples, advantages, loss, token_scale)
@@ -476,3 +477,11 @@ def _engine_logprobs(engine: Any, prompt: list[int]) -> tuple[int, float]:
         return choice.token_ids[0], choice.logprobs[0]
 
     return asyncio.run(one())
+
+
+def _greedy(model: Any, prompt: list[int]) -> tuple[int, float]:
+    """The greedy next token of a plain model and its logprob."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    token = int(logp.argmax())
+    return token, float(logp[token])

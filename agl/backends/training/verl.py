@@ -56,7 +56,7 @@ import tempfile
 import time
 import types
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,8 +77,6 @@ if TYPE_CHECKING:
     import torch
     from tensordict import TensorDict
     from verl.protocol import DataProto
-
-    from agl.backends.inference.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -589,9 +587,10 @@ def _scalars(value: Any) -> list[float]:
 class VerlPolicy:
     """agl's ``Policy`` on verl's actor update (see the module doc).
 
-    ``model`` is updated in place and may be shared with an embedded inference ``engine``
-    (updates then run inside ``engine.paused()``); without an engine (vLLM serves), the
-    caller publishes weights from :meth:`state_dict`.
+    ``model`` is updated in place and may be shared with an embedded inference engine:
+    ``paused`` (e.g. ``EmbeddedServer.paused``) then gives the block in which nothing
+    generates, as for ``EmbeddedPolicy``; without one (vLLM serves), the caller publishes
+    weights from :meth:`state_dict`.
     """
 
     CHECKPOINT = "verl"
@@ -601,27 +600,38 @@ class VerlPolicy:
         model: torch.nn.Module,
         config: VerlBackendConfig,
         tokenizer: Any = None,
-        engine: Engine | None = None,
+        paused: Callable[[], AbstractContextManager[None]] | None = None,
         work_dir: Path | None = None,
     ) -> None:
         self.config = config
         self.model = model
-        self.engine = engine
+        self.paused = paused or nullcontext
         self._own_dir = work_dir is None
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="agl-verl-"))
         pad_id = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad_id) if pad_id is not None else 0
         self.vocab = model.get_input_embeddings().num_embeddings
-        with self._paused():
+        with self.paused():
             self.worker = build_worker(model, tokenizer, config, self.work_dir / "hf_config")
+            self._unshard()
 
-    @contextmanager
-    def _paused(self) -> Iterator[None]:
-        if self.engine is None:
-            yield
-        else:
-            with self.engine.paused():
-                yield
+    def _unshard(self) -> None:
+        """Gather every FSDP2 unit's full parameters now, outside inference mode.
+
+        The inference engine runs the shared module under ``torch.inference_mode``, where
+        FSDP2's own all-gather fails ("Inference tensors do not track version counter").
+        With ``reshard_after_forward=False`` (set by :func:`build_worker`) gathered
+        parameters stay gathered, so the engine's forwards need no collective; training
+        reshards in backward, so this runs again after every update (an all-gather
+        copies the stepped shards into the full parameters the engine reads).
+        """
+        import torch
+        from torch.distributed.fsdp import FSDPModule
+
+        with torch.no_grad():
+            for unit in self.worker.engine.module.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.unshard()
 
     def train(
         self,
@@ -643,7 +653,7 @@ class VerlPolicy:
         totals = _Totals()
         was_training = self.model.training
         try:
-            with self._paused():
+            with self.paused():
                 for mini in plan.mini_batches:
                     index = mini.sample_indices
                     weights = _scaled_weights([samples[i] for i in index], loss, token_scale, index)
@@ -664,6 +674,8 @@ class VerlPolicy:
                     totals.tokens_computed += sum(r.length for r in rows)
         finally:
             self.model.train(was_training)
+            with self.paused():
+                self._unshard()
         return {
             "loss": _mean(totals.losses),
             "grad_norm": _mean(totals.grad_norms),
@@ -733,8 +745,9 @@ class VerlPolicy:
         self.worker.save_checkpoint(str(folder / self.CHECKPOINT))
 
     def load(self, folder: Path) -> None:
-        with self._paused():
+        with self.paused():
             self.worker.load_checkpoint(str(folder / self.CHECKPOINT), del_local_after_load=False)
+            self._unshard()
 
     def close(self) -> None:
         if self._own_dir:
