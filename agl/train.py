@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from agl.backends.inference.service import InferenceService
     from agl.core.assemble import Advantage, MergeStrategy
     from agl.core.controller import Executor
+    from agl.core.trainer import Policy
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -99,8 +100,6 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
     from omegaconf import OmegaConf
 
     from agl.backends.inference.models import ModelUnavailable, default_cache_dir
-    from agl.backends.training.embedded import EmbeddedPolicy
-    from agl.backends.training.torch import TorchBackend, TorchBackendConfig
     from agl.core.client import AsyncGatewayClient, fast_http_client
     from agl.core.console import Progress, summary
     from agl.core.controller import Controller
@@ -117,11 +116,7 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
     torch.manual_seed(cfg.seed)
     try:
         trainer_config = TrainerConfig(**options["trainer"])
-        backend_options = {
-            k: v for k, v in options["backend"].items() if k not in ("name", "torch_threads")
-        }
-        backend_options["betas"] = tuple(backend_options.get("betas", (0.9, 0.999)))
-        backend_config = TorchBackendConfig(**backend_options)
+        backend_config = _backend_config(options["backend"])
         merge = make_merge(options["merge"])
         advantage = make_advantage(options["advantage"])
         loss = get("loss", cfg.loss.name)
@@ -157,7 +152,7 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
             server.start()
         except (OSError, RuntimeError) as error:
             raise UserError(f"inference={cfg.inference.name}: {error}") from None
-        policy = EmbeddedPolicy(TorchBackend(loaded.model, backend_config), server.paused)
+        policy = _policy(backend_config, loaded, server, run_dir)
         agent_gateway_url = cfg.controller.get("agent_gateway_url") or gateway.url
         executor = _executor(options["controller"], cfg.task.harness, run_dir, agent_gateway_url)
         http = fast_http_client(64)
@@ -247,6 +242,48 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
                 summary(tracker.history, str(run_dir), time.monotonic() - started) + "\n"
             )
         return tracker.history
+
+
+def _backend_config(group: dict[str, Any]) -> Any:
+    """The training backend's config from ``backend=...`` (TypeError, ValueError)."""
+    options = _options(group)
+    options["betas"] = tuple(options.get("betas", (0.9, 0.999)))
+    if group["name"] == "torch":
+        from agl.backends.training.torch import TorchBackendConfig
+
+        options.pop("torch_threads", None)
+        return TorchBackendConfig(**options)
+    if group["name"] == "verl":
+        try:
+            from agl.backends.training.verl import VerlBackendConfig
+        except ImportError as error:
+            raise UserError(
+                f"backend=verl needs verl 0.9.1 ({error}): pip install -e '.[verl]' && "
+                "pip install --no-deps verl==0.9.1"
+            ) from None
+        return VerlBackendConfig(**options)
+    raise UserError(f"backend={group['name']}: no such training backend")
+
+
+def _policy(config: Any, loaded: LoadedModel, server: InferenceService, run_dir: Path) -> Policy:
+    """The training side over the module ``server`` serves (updated in place, then
+    published): agl's torch backend, or verl's actor update."""
+    from agl.backends.training.torch import TorchBackendConfig
+
+    if isinstance(config, TorchBackendConfig):
+        from agl.backends.training.embedded import EmbeddedPolicy
+        from agl.backends.training.torch import TorchBackend
+
+        return EmbeddedPolicy(TorchBackend(loaded.model, config), server.paused)
+    from agl.backends.training.verl import VerlPolicy
+
+    return VerlPolicy(
+        loaded.model,
+        config,
+        tokenizer=loaded.tokenizer,
+        paused=server.paused,
+        work_dir=run_dir / "verl",
+    )
 
 
 def _serve(

@@ -70,6 +70,29 @@ def test_a_short_run_trains_and_serves_the_new_weights(tmp_path: Path, mode: str
         assert len(call["logprobs"]) == len(call["response_ids"])
 
 
+def test_backend_verl_trains_through_verls_actor(tmp_path: Path) -> None:
+    """``backend=verl``: verl's own actor update (its FSDP2 engine, in-process on CPU)
+    trains the module the embedded server serves. A subprocess: verl starts a process
+    group, which must not outlive the test."""
+    pytest.importorskip("verl", reason="backend=verl needs verl 0.9.1 (the README's test command)")
+    result = subprocess.run(
+        [sys.executable, "-m", "agl.train", *SMALL, "backend=verl", f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "reward/mean" in row]
+    assert [row["step"] for row in steps] == [1, 2]
+    assert all(row["train/tokens_trained"] > 0 for row in steps)
+    assert any(row["train/grad_norm"] > 0 for row in steps)
+    calls = _recorded(tmp_path)
+    assert {0, 1, 2} <= {c["policy_version"] for c in calls}
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-1] == "step-000002"
+
+
 def test_resume_continues_without_recounting(tmp_path: Path) -> None:
     train(_compose([]), tmp_path)
     history = train(_compose(["trainer.steps=3", "resume=true"]), tmp_path)
