@@ -49,8 +49,9 @@ log = logging.getLogger(__name__)
 
 NAME = "smollm2"
 # Measured max abs diff between vLLM's recorded logprobs and the torch forward pass (both
-# float32 on CPU): about 2e-5 (see test output); the tolerance leaves room for other
-# CPUs' kernels while staying far below what a weight update changes (> 0.1).
+# float32 on CPU, 2-core x86): 1.3e-5 to 1.7e-5 (logged by the tests); the tolerance
+# leaves room for other CPUs' kernels while staying far below what the weight update in
+# test_publish_reaches_every_replica changes (1.8).
 LOGPROB_TOL = 2e-3
 SAMPLING: dict[str, Any] = {"temperature": 1.0, "max_tokens": 24}
 MESSAGES = [{"role": "user", "content": "Name three colors of the rainbow."}]
@@ -224,7 +225,8 @@ def test_a_streamed_call_with_a_tool_is_recorded_exactly(served: Served) -> None
     if finish != "tool_calls":
         assert decoded.removesuffix("<|im_end|>") == text
     diff = max_diff(served.loaded.model, call)
-    log.warning("streamed: %d tokens (%s), max |logprob diff| %.2e", len(decoded), finish, diff)
+    tokens = len(call["response_ids"])
+    log.warning("streamed: %d tokens (%s), max |logprob diff| %.2e", tokens, finish, diff)
     assert diff < LOGPROB_TOL
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import logging
 import os
 import shutil
@@ -131,12 +132,23 @@ def find_vllm_python(option: str | None = None) -> str | None:
 def write_weights(model: torch.nn.Module, folder: Path) -> Path:
     """Write ``model``'s parameters as ``folder/model.safetensors``, atomically.
 
-    ``named_parameters`` lists a tied parameter once (under its first name, the input
-    embedding), which is what a checkpoint of a tied model holds and what vLLM's loader
-    expects; buffers (rotary tables) are derived, not loaded.
+    Every parameter name is written, a tied one under each of its names (the output
+    embedding as ``lm_head.weight`` too), and the served config says the embeddings are
+    untied (``write_model_folder``). Why: vLLM's CPU backend prepares the LM head for
+    oneDNN once, at load, and its in-place reload skips a tied head (it loads no weights
+    of its own), so a reloaded tied model kept sampling from the old head (measured:
+    logprobs off by 0.02 on the tiny model after an embedding-only change). Untied, the
+    head is reloaded and prepared again like every other layer. Buffers (rotary tables)
+    are derived, not loaded.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tensor = p.detach().contiguous()
+        # safetensors refuses two names on one storage: the second gets its own copy.
+        tensors[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
+        seen.add(tensor.data_ptr())
     # The temporary name must not end in .safetensors: vLLM loads every such file.
     tmp = folder / f".{WEIGHTS_FILE}.tmp-{os.getpid()}"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -146,12 +158,16 @@ def write_weights(model: torch.nn.Module, folder: Path) -> Path:
 
 
 def write_model_folder(model: torch.nn.Module, tokenizer: Any, folder: Path) -> None:
-    """An HF model folder vLLM can serve: config, tokenizer (with its chat template, so
-    vLLM renders prompts exactly as the trainer's tokenizer does) and the weights."""
+    """An HF model folder vLLM can serve: config (embeddings untied, see
+    ``write_weights``), tokenizer (with its chat template, so vLLM renders prompts exactly
+    as the trainer's tokenizer does) and the weights."""
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.glob("*.safetensors*"):  # a sharded checkpoint would be read too
         stale.unlink()
-    model.config.save_pretrained(folder)
+    config = copy.deepcopy(model.config)  # the trainer's own config stays as it is
+    if getattr(config, "tie_word_embeddings", False):
+        config.tie_word_embeddings = False
+    config.save_pretrained(folder)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.save_pretrained(folder)
