@@ -92,12 +92,15 @@ __all__ = [
     "VerlBackendConfig",
     "VerlPolicy",
     "actor_config",
+    "build_worker",
     "ensure_cpu_platform",
     "ensure_process_group",
     "from_dataproto",
+    "loss_fn",
     "mini_batch_rows",
     "to_dataproto",
     "to_train_tensordict",
+    "worker_config",
 ]
 
 
@@ -495,12 +498,10 @@ def _config_folder(model: Any, tokenizer: Any, folder: Path) -> Path:
     return folder
 
 
-def build_worker(
-    model: torch.nn.Module, tokenizer: Any, config: VerlBackendConfig, folder: Path
-) -> Any:
-    """verl's ``TrainingWorker`` (FSDP engine, optimizer, ``ppo_loss``) on ``model``."""
-    from functools import partial
-
+def worker_config(config: VerlBackendConfig, model_path: Path) -> Any:
+    """verl's ``TrainingWorkerConfig`` (FSDP engine, AdamW, constant lr) for the HF folder
+    ``model_path``: the config only (in-process, the engine is built on the caller's
+    module) or config plus weights (Ray workers load them, see ``verl_ray``)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         FSDPEngineConfig,
@@ -508,14 +509,9 @@ def build_worker(
         HFModelConfig,
         TrainingWorkerConfig,
     )
-    from verl.workers.engine_workers import TrainingWorker
-    from verl.workers.utils.losses import ppo_loss
 
-    if config.device in ("auto", "cpu"):
-        ensure_cpu_platform()
-    ensure_process_group()
     model_config = HFModelConfig(
-        path=str(_config_folder(model, tokenizer, folder)),
+        path=str(model_path),
         override_config={"attn_implementation": config.attn_implementation},
         use_remove_padding=config.use_remove_padding,
         enable_gradient_checkpointing=config.gradient_checkpointing,
@@ -529,7 +525,8 @@ def build_worker(
         use_dynamic_bsz=config.use_dynamic_bsz,
         max_token_len_per_gpu=config.max_tokens_per_micro_batch,
         micro_batch_size_per_gpu=config.ppo_micro_batch_size_per_gpu,
-        # Keep the full parameters between forwards: the inference engine shares them.
+        # Keep the full parameters between forwards: the inference engine shares them
+        # in-process (harmless on Ray workers, whose modules nothing else reads).
         reshard_after_forward=False,
     )
     optimizer_config = FSDPOptimizerConfig(
@@ -540,17 +537,38 @@ def build_worker(
         total_training_steps=1,  # constant schedule: the count does not matter
         lr_scheduler_type="constant",
     )
-    worker_config = TrainingWorkerConfig(
+    return TrainingWorkerConfig(
         model_type="language_model",
         model_config=model_config,
         engine_config=engine_config,
         optimizer_config=optimizer_config,
         checkpoint_config=CheckpointConfig(),
     )
+
+
+def loss_fn(config: VerlBackendConfig) -> Callable[..., Any]:
+    """verl's ``ppo_loss`` bound to agl's exact-loss actor config (``set_loss_fn``)."""
+    from functools import partial
+
+    from verl.workers.utils.losses import ppo_loss
+
+    return partial(ppo_loss, config=actor_config(config))
+
+
+def build_worker(
+    model: torch.nn.Module, tokenizer: Any, config: VerlBackendConfig, folder: Path
+) -> Any:
+    """verl's ``TrainingWorker`` (FSDP engine, optimizer, ``ppo_loss``) on ``model``."""
+    from verl.workers.engine_workers import TrainingWorker
+
+    if config.device in ("auto", "cpu"):
+        ensure_cpu_platform()
+    ensure_process_group()
+    settings = worker_config(config, _config_folder(model, tokenizer, folder))
     with _env("VERL_ENGINE_DEVICE", _shared_module_engine(model)):
-        worker = TrainingWorker(worker_config)
+        worker = TrainingWorker(settings)
     worker.reset()  # builds the engine: FSDP-wraps model in place, makes the optimizer
-    worker.set_loss_fn(partial(ppo_loss, config=actor_config(config)))
+    worker.set_loss_fn(loss_fn(config))
     return worker
 
 
@@ -653,7 +671,7 @@ class VerlPolicy:
         totals = _Totals()
         was_training = self.model.training
         try:
-            with self.paused():
+            with self._updating():
                 for mini in plan.mini_batches:
                     index = mini.sample_indices
                     weights = _scaled_weights([samples[i] for i in index], loss, token_scale, index)
@@ -668,14 +686,13 @@ class VerlPolicy:
                         continue  # nothing to learn: no step (weight decay stays put too)
                     data = to_dataproto(rows, self.pad_id)
                     td = to_train_tensordict(data, self.config.ppo_epochs)
-                    out = self.worker.train_mini_batch(td)
+                    out = self._update(td)
                     self._collect(out, totals)
                     totals.tokens_trained += trained
                     totals.tokens_computed += sum(r.length for r in rows)
         finally:
             self.model.train(was_training)
-            with self.paused():
-                self._unshard()
+            self._refresh()
         return {
             "loss": _mean(totals.losses),
             "grad_norm": _mean(totals.grad_norms),
@@ -695,6 +712,21 @@ class VerlPolicy:
         totals.grad_norms.extend(_scalars(metrics.get("grad_norm", [])))
         totals.clip.extend(_scalars(metrics.get("actor/pg_clipfrac", [])))
         totals.ppo_kl.extend(_scalars(metrics.get("actor/ppo_kl", [])))
+
+    # -- what differs between verl in this process and verl on Ray (``verl_ray``)
+
+    def _updating(self) -> AbstractContextManager[None]:
+        """Held around a step's updates: here FSDP steps the served module itself."""
+        return self.paused()
+
+    def _update(self, td: TensorDict) -> Any:
+        """One verl mini-batch (``train_mini_batch``); answers its output (metrics)."""
+        return self.worker.train_mini_batch(td)
+
+    def _refresh(self) -> None:
+        """After a step: make the served module hold the updated weights."""
+        with self.paused():
+            self._unshard()
 
     def _dp_size(self) -> int:
         return int(self.worker.engine.get_data_parallel_size())

@@ -1,0 +1,377 @@
+"""verl's FSDP workers on Ray as agl's training backend (``backend=verl backend.ranks=N``).
+
+:class:`RayVerlPolicy` is :class:`~agl.backends.training.verl.VerlPolicy` with the update
+moved out of the trainer's process: a verl ``RayWorkerGroup`` of ``N``
+:class:`AglTrainingWorker` actors (verl's ``TrainingWorker``, one FSDP rank each) over a
+``RayResourcePool``, the layout verl's own ``RayPPOTrainer`` gives its actor. The samples,
+weights, mini-batches and the ``TensorDict`` handed over are the in-process path's
+(``VerlPolicy.train``); only where the update runs differs:
+
+1. **Build.** The trainer writes its module (``save_pretrained``) and tokenizer to
+   ``work_dir/hf_model``; every worker loads it through verl's own ``_build_module``
+   (rank 0 reads the weights, FSDP2 broadcasts them), so all ranks start from the very
+   weights the inference engine serves.
+2. **Update.** Each agl mini-batch (padded to a multiple of the dp size with rows that
+   train nothing) is ONE call of :meth:`AglTrainingWorker.agl_train`, dispatched by verl's
+   ``train`` mesh (``DataProto``-style contiguous chunks, one per dp rank); each rank runs
+   ``train_mini_batch`` on its chunk, FSDP averages gradients over the ranks, and
+   ``token-sum``'s ``* dp_size`` cancels that average: the update is agl's loss over the
+   whole hand-off (``tests/test_verl_ray.py`` checks it against ``TorchBackend``).
+3. **Weights back.** After a step rank 0 gathers the full state dict
+   (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``, a collective every
+   rank joins), and the trainer loads it into its module under ``paused()``: the embedded
+   engine then serves it; a vLLM backend publishes from the module.
+4. **Checkpoints** are verl's (``save_checkpoint``/``load_checkpoint`` on every rank, one
+   shard per rank under ``folder/verl``); a load pulls the weights back as in 3.
+
+**CPU.** verl has no CPU platform; each worker registers agl's CPU platform
+(:func:`~agl.backends.training.verl.ensure_cpu_platform`) and starts its gloo process
+group from the ``RANK``/``WORLD_SIZE``/``MASTER_*`` env ``RayWorkerGroup`` gives it, in its
+``__init__`` before verl's ``TrainingWorker.__init__`` runs (which would otherwise try
+NCCL on a CUDA platform it falls back to). The resource pool then asks for CPU bundles
+only (``use_gpu=False``). On GPUs nothing of this runs: verl's CUDA platform and its own
+NCCL group are used, one GPU per rank.
+
+Invariant: the trainer's module is never FSDP-wrapped on this path (the workers hold the
+shards), so it stays the plain ``nn.Module`` the inference engine serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from verl.single_controller.base.decorator import dispatch_lazy_compute_data_proto, register
+from verl.workers.engine_workers import TrainingWorker
+
+from agl.backends.training.verl import (
+    VerlBackendConfig,
+    VerlPolicy,
+    ensure_cpu_platform,
+    ensure_process_group,
+    loss_fn,
+    worker_config,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from tensordict import TensorDict
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AglTrainingWorker", "RayVerlPolicy", "RayWorkers", "start_ray"]
+
+
+# --- the worker (runs inside a Ray actor process) ------------------------------------------
+
+
+def _train_dispatch(worker_group: Any, *args: Any, **kwargs: Any) -> Any:
+    """verl's ``train`` mesh dispatch (``train_mini_batch``'s): one chunk per dp rank."""
+    return dispatch_lazy_compute_data_proto("train", worker_group, *args, **kwargs)
+
+
+def _to_all(worker_group: Any, *args: Any, **kwargs: Any) -> Any:
+    """The same arguments to every rank (verl's ``ONE_TO_ALL``)."""
+    n = worker_group.world_size
+    return tuple([a] * n for a in args), {k: [v] * n for k, v in kwargs.items()}
+
+
+def _rank_zero(worker_group: Any, output: list[Any]) -> Any:
+    """Rank 0's answer: every dp rank of the ``train`` mesh answers the same metrics
+    (verl all-gathers them over dp), and rank 0 alone holds a gathered state dict."""
+    return output[0]
+
+
+TRAIN_DISPATCH = {"dispatch_fn": _train_dispatch, "collect_fn": _rank_zero}
+ONE_TO_ALL_RANK_ZERO = {"dispatch_fn": _to_all, "collect_fn": _rank_zero}
+
+
+def _register_cpu_engine() -> None:
+    """verl's own FSDP engine (``FSDPEngineWithLMHead``, unchanged) under device ``cpu``
+    too: verl registers it for ``cuda``/``npu`` only, and picks by the platform's device."""
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    registry = EngineRegistry._engines["language_model"]
+    if all("cpu" in registry[b] for b in ("fsdp", "fsdp2")):
+        return
+    register_engine = EngineRegistry.register(
+        model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu"
+    )
+    register_engine(FSDPEngineWithLMHead)
+
+
+class AglTrainingWorker(TrainingWorker):
+    """verl's ``TrainingWorker`` with agl's device setup and three methods the trainer
+    calls through the worker group (verl's ``@register`` dispatch)."""
+
+    def __init__(self, config: Any, device: str, threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, threads))
+        if device == "cpu":
+            # Before verl's __init__: it starts NCCL on the CUDA platform it falls back to.
+            ensure_cpu_platform()
+            _register_cpu_engine()
+            ensure_process_group()  # gloo, from RayWorkerGroup's RANK/WORLD_SIZE/MASTER_*
+        super().__init__(config)
+
+    @register(dispatch_mode=TRAIN_DISPATCH)
+    def agl_train(self, data: TensorDict) -> TensorDict | None:
+        """``train_mini_batch`` on this rank's chunk; the metrics (rank 0's answered)."""
+        output = self.train_mini_batch(data)
+        return output.cpu() if output is not None else None
+
+    @register(dispatch_mode=ONE_TO_ALL_RANK_ZERO)
+    def agl_full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full weights on rank 0 (``{}`` elsewhere); every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.engine.module, options=options)
+        return {k: v.detach().clone() for k, v in state.items()}
+
+    @register(dispatch_mode=ONE_TO_ALL_RANK_ZERO)
+    def agl_dp_size(self) -> int:
+        return int(self.engine.get_data_parallel_size())
+
+
+# --- Ray and the worker group (the trainer's side) ----------------------------------------
+
+
+def start_ray(address: str | None, num_cpus: int, object_store_mb: int = 256) -> bool:
+    """Connect to Ray; answers whether this call started it (then :meth:`RayWorkers.close`
+    shuts it down). ``address`` None starts a local Ray (``num_cpus`` logical CPUs, no
+    dashboard, a small object store); else it joins a running cluster (``"auto"`` or
+    ``host:port``, as ``ray start`` printed). An already initialized Ray is used as is.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    # Ray workers import agl: the trainer's own import path, whatever the worker's cwd.
+    root = str(Path(__file__).resolve().parents[3])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    runtime_env = {"env_vars": {"PYTHONPATH": path}}
+    if address is None:
+        ray.init(
+            num_cpus=num_cpus,
+            num_gpus=_local_gpus(),
+            include_dashboard=False,
+            object_store_memory=object_store_mb * 1024 * 1024,
+            runtime_env=runtime_env,
+            logging_level=logging.WARNING,
+            log_to_driver=True,
+        )
+    else:
+        ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
+    return True
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@dataclass
+class RayWorkers:
+    """``ranks`` verl workers (:class:`AglTrainingWorker`) in one ``RayWorkerGroup``.
+
+    ``device`` ``cpu``: CPU bundles, gloo, agl's CPU platform in every worker; ``cuda``:
+    one GPU per rank (verl's defaults). ``group`` answers verl's registered methods
+    (``agl_train``, ``save_checkpoint``, ...) across all ranks.
+    """
+
+    group: Any
+    pool: Any
+    started_ray: bool
+
+    @classmethod
+    def start(
+        cls,
+        config: VerlBackendConfig,
+        model_path: Path,
+        ranks: int,
+        address: str | None,
+    ) -> RayWorkers:
+        import ray
+        from verl.single_controller.ray import (
+            RayClassWithInitArgs,
+            RayResourcePool,
+            RayWorkerGroup,
+        )
+
+        started = start_ray(address, num_cpus=ranks + 1)
+        try:
+            device = _device(config)
+            if device == "cpu":
+                ensure_cpu_platform()  # the pool asks verl's platform for its resource name
+            # One process per bundle: max_colocate_count is the CPUs a bundle reserves.
+            pool = RayResourcePool(
+                process_on_nodes=[ranks], use_gpu=device != "cpu", max_colocate_count=1
+            )
+            threads = max(1, config.torch_threads // ranks) if device == "cpu" else 8
+            worker = RayClassWithInitArgs(
+                ray.remote(AglTrainingWorker),
+                config=worker_config(config, model_path),
+                device=device,
+                threads=threads,
+            )
+            group = RayWorkerGroup(
+                resource_pool=pool,
+                ray_cls_with_init=worker,
+                device_name=device,
+                worker_env={"OMP_NUM_THREADS": str(threads)},
+            )
+            group.reset()  # every rank builds verl's FSDP engine (rank 0 reads the weights)
+            group.set_loss_fn(loss_fn(config))
+        except BaseException:
+            if started:
+                ray.shutdown()
+            raise
+        return cls(group=group, pool=pool, started_ray=started)
+
+    def close(self) -> None:
+        """Kill the workers, free their placement groups, stop Ray if we started it."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if not ray.is_initialized():
+            return
+        for handle in getattr(self.group, "_workers", []):
+            ray.kill(handle, no_restart=True)
+        for pg in self.pool.pgs or []:
+            remove_placement_group(pg)
+        if self.started_ray:
+            ray.shutdown()
+
+
+def _device(config: VerlBackendConfig) -> str:
+    """``cuda`` where the cluster has GPUs (``device: auto``) or ``device: cuda``; else
+    ``cpu``: Ray workers run where the cluster's resources are, not where the trainer is."""
+    import ray
+
+    if config.device in ("cpu", "cuda"):
+        return config.device
+    return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+
+
+# --- the policy ----------------------------------------------------------------------------
+
+
+class RayVerlPolicy(VerlPolicy):
+    """agl's ``Policy`` on verl's ``RayWorkerGroup`` of FSDP workers (see the module doc).
+
+    ``model`` (the module the inference engine serves) stays a plain module on the
+    trainer; after every ``train()`` and ``load()`` it holds the workers' weights.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: VerlBackendConfig,
+        tokenizer: Any = None,
+        paused: Callable[[], AbstractContextManager[None]] | None = None,
+        work_dir: Path | None = None,
+        ranks: int = 2,
+        address: str | None = None,
+    ) -> None:
+        if ranks < 1:
+            raise ValueError(f"backend.ranks must be at least 1, got {ranks}")
+        self.config = config
+        self.model = model
+        self.paused = paused or nullcontext
+        self._own_dir = work_dir is None
+        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="agl-verl-ray-"))
+        pad_id = getattr(tokenizer, "pad_token_id", None)
+        self.pad_id = int(pad_id) if pad_id is not None else 0
+        self.vocab = model.get_input_embeddings().num_embeddings
+        start = time.perf_counter()
+        folder = _model_folder(model, tokenizer, self.work_dir / "hf_model")
+        self.workers = RayWorkers.start(config, folder, ranks, address)
+        self.ranks = ranks
+        self._dp = int(self.workers.group.agl_dp_size())
+        logger.info("verl on Ray: %d ranks ready in %.1fs", ranks, time.perf_counter() - start)
+
+    # -- VerlPolicy's hooks: the update runs on the workers
+
+    def _updating(self) -> AbstractContextManager[None]:
+        """Nothing here touches the served module while the workers train, so the
+        engine may keep serving (the pause is only around the weight load)."""
+        return nullcontext()
+
+    def _update(self, td: TensorDict) -> Any:
+        return self.workers.group.agl_train(td)
+
+    def _refresh(self) -> None:
+        self._pull()
+
+    def _dp_size(self) -> int:
+        return self._dp
+
+    # -- weights and checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The workers' full weights (rank 0, gathered), as CPU tensors."""
+        return dict(self.workers.group.agl_full_state_dict())
+
+    def _pull(self) -> None:
+        """The workers' weights into the served module, under ``paused()``."""
+        import torch
+
+        state = self.state_dict()
+        with self.paused(), torch.no_grad():
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+        # Tied weights appear under one name only; anything else is a real mismatch.
+        if unexpected or any(not _tied(self.model, k) for k in missing):
+            raise RuntimeError(f"weights from verl: missing {missing}, unexpected {unexpected}")
+
+    def save(self, folder: Path) -> None:
+        """verl's FSDP checkpoint (a shard per rank: model, optimizer, lr scheduler)."""
+        self.workers.group.save_checkpoint(str(folder / self.CHECKPOINT))
+
+    def load(self, folder: Path) -> None:
+        path = str(folder / self.CHECKPOINT)
+        self.workers.group.load_checkpoint(path, del_local_after_load=False)
+        self._pull()
+
+    def close(self) -> None:
+        self.workers.close()
+        if self._own_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+def _tied(model: torch.nn.Module, name: str) -> bool:
+    """Whether ``name`` is a tied parameter (e.g. ``lm_head.weight`` = the embedding)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return False
+    out = model.get_output_embeddings()
+    return out is not None and out.weight is model.get_input_embeddings().weight
+
+
+def _model_folder(model: torch.nn.Module, tokenizer: Any, folder: Path) -> Path:
+    """``model`` (weights + config) and ``tokenizer`` as an HF folder verl's
+    ``_build_module`` loads (``from_pretrained``); answers ``folder``."""
+    import copy
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = copy.deepcopy(model.config)
+    if not getattr(config, "architectures", None):
+        config.architectures = [type(model).__name__]  # verl asserts exactly one
+    model.save_pretrained(folder, safe_serialization=True)
+    config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return folder
