@@ -421,7 +421,12 @@ def test_responses_tool_choice(choice: Any, expected: Any, names: list[str]) -> 
             {"input": [{"type": "local_shell_call", "call_id": "c"}]},
             "items of type 'local_shell_call'",
         ),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]: tools of type 'web_search'"),
+        ({"input": "x", "tools": [{"name": "f"}]}, "tools[0]: a tool needs a type"),
+        (
+            {"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": "f"}]},
+            "tools[0].tools must be a list",
+        ),
+        ({"input": [{"type": "additional_tools", "tools": {}}]}, "input[0].tools must be a list"),
         ({"input": "x", "tools": [{"type": "function"}]}, "tools[0]: 'name' is missing"),
         ({"input": "x", "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
         ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format"),
@@ -568,6 +573,96 @@ def test_responses_one_call_without_upstream_id_or_text() -> None:
     assert item["type"] == "function_call" and item["call_id"].startswith("call_")
 
 
+# What Codex sends for its own models: its tools in an ``additional_tools`` input item,
+# grouped in namespaces (one of them its custom "exec" tool), and hosted tools.
+CODEX_TOOLS = [
+    {
+        "type": "namespace",
+        "name": "functions",
+        "description": "",
+        "tools": [
+            {"type": "custom", "name": "exec", "description": "Run JavaScript."},
+            {"type": "function", "name": "wait", "parameters": {"type": "object"}},
+        ],
+    },
+    {
+        "type": "namespace",
+        "name": "collaboration",
+        "description": "Work with other agents.",
+        "tools": [
+            {"type": "function", "name": "list_agents", "parameters": {"type": "object"}},
+            {"type": "function", "name": "wait", "parameters": {"type": "object"}},
+        ],
+    },
+]
+CODEX_REQUEST = {
+    "model": "gpt-6.2-sol",
+    "stream": True,
+    "tools": [{"type": "web_search", "external_web_access": False}, {"type": "image_generation"}],
+    "input": [
+        {"type": "additional_tools", "id": "at_1", "role": "developer", "tools": CODEX_TOOLS},
+        {"type": "message", "role": "user", "content": "go"},
+        {
+            "type": "function_call",
+            "call_id": "c1",
+            "name": "list_agents",
+            "namespace": "collaboration",
+            "arguments": "{}",
+        },
+        {"type": "function_call_output", "call_id": "c1", "output": "[]"},
+        {"type": "custom_tool_call", "call_id": "c2", "name": "exec", "input": "text(1)"},
+        {"type": "custom_tool_call_output", "call_id": "c2", "output": "1"},
+        {
+            "type": "function_call",
+            "call_id": "c3",
+            "name": "wait",
+            "namespace": "functions",
+            "arguments": "{}",
+        },
+        {"type": "function_call_output", "call_id": "c3", "output": "ok"},
+    ],
+}
+
+
+def test_responses_codex_namespaces_and_additional_tools(
+    ignored_log: Callable[[], list[str]],
+) -> None:
+    """Namespaces flatten to chat functions under their bare names (qualified where two
+    share one), hosted tools are left out with a log line, and calls go back with the
+    bare name and the namespace, as Codex routes them."""
+    chat = RESPONSES.to_chat(CODEX_REQUEST)
+    names = [t["function"]["name"] for t in chat["tools"]]
+    assert names == ["exec", "functions.wait", "list_agents", "collaboration.wait"]
+    assert [m["role"] for m in chat["messages"]] == ["user", *["assistant", "tool"] * 3]
+    called = [m["tool_calls"][0]["function"]["name"] for m in chat["messages"][1::2]]
+    assert called == ["list_agents", "exec", "functions.wait"]
+    assert json.loads(chat["messages"][3]["tool_calls"][0]["function"]["arguments"]) == {
+        "input": "text(1)"
+    }
+    logged = " ".join(ignored_log())
+    assert "tools of type web_search" in logged and "tools of type image_generation" in logged
+
+    answer = chat_answer(
+        None,
+        [
+            call("list_agents", "{}", "t1"),
+            call("collaboration.wait", "{}", "t2"),
+            call("exec", json.dumps({"input": "text(2)"}), "t3"),
+            call("functions.list_agents", "{}", "t4"),  # not a tool of that namespace
+            call("nowhere", "{}", "t5"),
+        ],
+    )
+    unary, _ = responses_both(CODEX_REQUEST, answer)
+    assert [(o["type"], o["name"], o.get("namespace")) for o in unary["output"]] == [
+        ("function_call", "list_agents", "collaboration"),
+        ("function_call", "wait", "collaboration"),
+        ("custom_tool_call", "exec", "functions"),
+        ("function_call", "functions.list_agents", None),
+        ("function_call", "nowhere", None),
+    ]
+    assert unary["output"][2]["input"] == "text(2)"
+
+
 def test_responses_custom_tool_call() -> None:
     patch = "*** Begin Patch\n*** Add File: a\n+x\n*** End Patch"
     answer = chat_answer(None, [call("apply_patch", json.dumps({"input": patch}))])
@@ -695,9 +790,9 @@ def test_responses_through_the_openai_client() -> None:
     assert seen[1]["chat"]["stream_options"] == {"include_usage": True}
 
     with pytest.raises(openai.BadRequestError) as raised:
-        client.responses.create(model="m", input="x", tools=[{"type": "web_search"}])
+        client.responses.create(model="m", input="x", tools=[{"name": "f"}])  # type: ignore[list-item]
     assert raised.value.type == "invalid_request_error"
-    assert "tools of type 'web_search'" in str(raised.value.body)
+    assert "a tool needs a type" in str(raised.value.body)
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,7 @@ API_TAILS = {
     "/openai/v1/responses": "responses",
     "/anthropic/v1/messages": "anthropic",
 }
+COUNT_TOKENS = "/anthropic/v1/messages/count_tokens"  # not a model call: not recorded
 
 # --- the model server and the gateway ------------------------------------------------
 
@@ -405,10 +406,13 @@ def assert_recorded(
     rollout_id = attempt.rollout.rollout_id
     exchanges = tap.exchanges(rollout_id)
     # Nothing else but a HEAD of the base URL (Claude Code's reachability probe, which
-    # gets a 404): a call to an endpoint the proxy lacks (say count_tokens) shows here.
-    assert all(e.method == "HEAD" for e in exchanges if not e.api), [
-        (e.method, e.path, e.status) for e in exchanges if not e.api
-    ]
+    # gets a 404) and answered token counts (nothing sampled, nothing recorded): a call
+    # to an endpoint the proxy lacks shows here.
+    assert all(
+        e.method == "HEAD" or (e.path.endswith(COUNT_TOKENS) and e.status == 200)
+        for e in exchanges
+        if not e.api
+    ), [(e.method, e.path, e.status) for e in exchanges if not e.api]
     calls = [e for e in exchanges if e.api]
     assert calls, "the harness made no model call"
     assert {e.api for e in calls} == {api}
@@ -510,7 +514,9 @@ def why(done: subprocess.CompletedProcess[str]) -> str:
 def test_codex(
     admin: GatewayClient, tap: WireTap, attempt: Attempt, served: Served, tmp_path: Path
 ) -> None:
-    """Codex CLI: a custom model provider at the proxy, wire_api = "responses"."""
+    """Codex CLI: a custom model provider at the proxy, wire_api = "responses", and
+    otherwise its defaults: its default model (whose requests list the tools in an
+    ``additional_tools`` input item, in namespaces), web search and multi-agent on."""
     codex = installed("codex")
     provider = (
         f'{{name="agl", base_url="{attempt.openai}", env_key="OPENAI_API_KEY", '
@@ -523,20 +529,10 @@ def test_codex(
             "--json",
             "--skip-git-repo-check",
             "--strict-config",
-            # A model it has no metadata for: its own models' requests carry items the
-            # Responses dialect refuses (tools listed in the input, "additional_tools").
-            "--model",
-            served.model,
             "--config",
             "model_provider=agl",
             "--config",
             f"model_providers.agl={provider}",
-            # Tools that run on OpenAI's side or need a client of their own (web search,
-            # the multi-agent "namespace"), which the Responses dialect refuses.
-            "--config",
-            'web_search="disabled"',
-            "--disable",
-            "multi_agent",
             "--config",
             "analytics.enabled=false",
             "--config",
@@ -550,6 +546,10 @@ def test_codex(
     assert done.returncode == 0, why(done)
     assert any(e["type"] == "turn.completed" for e in events), why(done)
     _, decoded = assert_recorded(admin, tap, attempt, served, "responses")
+    # Its tools came in namespaces of an additional_tools item: the model was shown them.
+    first = admin.get_events(attempt.rollout.rollout_id, type="model_request")[0].data
+    shown = {t["function"]["name"] for t in first.get("tools") or ()}
+    assert {"exec", "spawn_agent"} <= shown, sorted(shown)
     assert_reported(
         [
             e["item"]["text"]

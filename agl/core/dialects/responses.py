@@ -6,9 +6,15 @@ message; ``input`` items become chat messages (``function_call`` items join the 
 message before them, ``function_call_output`` items become tool messages, ``reasoning``
 items are dropped). ``function`` tools map one to one; a ``custom`` (free-form) tool
 becomes a function taking one string, ``input``, and the model's call of it goes back as
-a ``custom_tool_call``. Refused (400): state this gateway does not keep
+a ``custom_tool_call``. A ``namespace`` tool is flattened into its function and custom
+tools: each keeps its bare name in chat (``namespace.name`` where two would clash), and
+its calls go back with the bare ``name`` and the ``namespace`` field, as Codex routes
+them. ``additional_tools`` input items (Codex lists its tools there for its own models)
+add their tools to the request's. Tools that run on OpenAI's side (``web_search``,
+``file_search``, ...) are left out with one log line per kind: the model behind this
+gateway cannot call them. Refused (400): state this gateway does not keep
 (``previous_response_id``, ``conversation``, ``prompt``, ``background``), non-text
-content, tools that run on OpenAI's side, input items other than the above.
+content, input items other than the above.
 
 Answer: a ``response`` object, or its event stream ending in ``response.completed``
 (``response.incomplete`` when the answer was cut at ``max_output_tokens``, as OpenAI
@@ -20,6 +26,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from agl.core.dialects._base import DialectError, note_ignored, sse
@@ -80,10 +87,12 @@ class Responses:
             if body.get(key):
                 raise DialectError(400, message)
         ignored = {k for k in body if k not in _CARRIED and k not in _STATEFUL}
-        messages = _instructions(body.get("instructions")) + _input(body.get("input"), ignored)
+        toolset = _toolset(body, ignored)
+        messages = _instructions(body.get("instructions")) + _input(
+            body.get("input"), ignored, toolset
+        )
         chat: dict[str, Any] = {"model": body.get("model"), "messages": _lead_system(messages)}
-        tools = _tools(body.get("tools"))
-        choice, tools = _tool_choice(body.get("tool_choice"), tools)
+        choice, tools = _tool_choice(body.get("tool_choice"), toolset)
         if tools:
             chat["tools"] = tools
         if choice is not None:
@@ -107,8 +116,8 @@ class Responses:
 
     def from_chat(self, answer: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
         outcome = outcome_of(answer, "call_")
-        custom = _custom_names(request)
-        ids = [_new_item_id(b, custom) for b in outcome.blocks]
+        toolset = _toolset(request)
+        ids = [_new_item_id(b, toolset) for b in outcome.blocks]
         return _response(request, new_id("resp_"), int(time.time()), outcome, ids)
 
     def stream(self, request: dict[str, Any]) -> ResponsesStream:
@@ -143,7 +152,7 @@ def _instructions(instructions: Any) -> list[dict[str, Any]]:
     raise DialectError(400, "'instructions' must be a string")
 
 
-def _input(items: Any, ignored: set[str]) -> list[dict[str, Any]]:
+def _input(items: Any, ignored: set[str], toolset: _Toolset) -> list[dict[str, Any]]:
     if items is None:
         return []
     if isinstance(items, str):
@@ -160,18 +169,22 @@ def _input(items: Any, ignored: set[str]) -> list[dict[str, Any]]:
             # A chat template has no place for earlier reasoning (most drop it anyway).
             ignored.add("input reasoning items")
             continue
+        if kind == _ADDITIONAL_TOOLS:
+            continue  # its tools are in the toolset: chat lists tools once, per request
         convert = _ITEMS.get(kind)
         if convert is None:
             raise DialectError(
                 400,
                 f"{where}: items of type {kind!r} cannot be translated to chat completions "
-                f"(supported: {', '.join(sorted([*_ITEMS, 'reasoning']))})",
+                f"(supported: {', '.join(sorted([*_ITEMS, 'reasoning', _ADDITIONAL_TOOLS]))})",
             )
-        convert(item, messages, where)
+        convert(item, messages, where, toolset)
     return messages
 
 
-def _message(item: dict[str, Any], messages: list[dict[str, Any]], where: str) -> None:
+def _message(
+    item: dict[str, Any], messages: list[dict[str, Any]], where: str, toolset: _Toolset
+) -> None:
     role = item.get("role")
     if role not in ("user", "assistant", "system", "developer"):
         raise DialectError(400, f"{where}: unknown message role {role!r}")
@@ -180,28 +193,40 @@ def _message(item: dict[str, Any], messages: list[dict[str, Any]], where: str) -
     messages.append({"role": role, "content": _text(item.get("content"), where)})
 
 
-def _function_call(item: dict[str, Any], messages: list[dict[str, Any]], where: str) -> None:
+def _function_call(
+    item: dict[str, Any], messages: list[dict[str, Any]], where: str, toolset: _Toolset
+) -> None:
     arguments = item.get("arguments", "")
     if not isinstance(arguments, str):
         raise DialectError(400, f"{where}: 'arguments' must be a string of JSON")
-    _append_call(messages, _call_id(item, where), _name(item, where), arguments)
+    _append_call(messages, _call_id(item, where), _called(item, where, toolset), arguments)
 
 
-def _custom_call(item: dict[str, Any], messages: list[dict[str, Any]], where: str) -> None:
+def _custom_call(
+    item: dict[str, Any], messages: list[dict[str, Any]], where: str, toolset: _Toolset
+) -> None:
     text = item.get("input", "")
     if not isinstance(text, str):
         raise DialectError(400, f"{where}: 'input' must be a string")
     # The same JSON the model writes for the function this tool becomes (see _tools).
     arguments = json.dumps({_CUSTOM_INPUT: text}, ensure_ascii=False)
-    _append_call(messages, _call_id(item, where), _name(item, where), arguments)
+    _append_call(messages, _call_id(item, where), _called(item, where, toolset), arguments)
 
 
-def _call_output(item: dict[str, Any], messages: list[dict[str, Any]], where: str) -> None:
+def _called(item: dict[str, Any], where: str, toolset: _Toolset) -> str:
+    """The chat name of the tool a call item names (with its ``namespace``, if any)."""
+    namespace = item.get("namespace")
+    return toolset.chat_name(_name(item, where), namespace if isinstance(namespace, str) else None)
+
+
+def _call_output(
+    item: dict[str, Any], messages: list[dict[str, Any]], where: str, toolset: _Toolset
+) -> None:
     content = _text(item.get("output"), f"{where}.output")
     messages.append({"role": "tool", "tool_call_id": _call_id(item, where), "content": content})
 
 
-_ITEMS: dict[str, Callable[[dict[str, Any], list[dict[str, Any]], str], None]] = {
+_ITEMS: dict[str, Callable[[dict[str, Any], list[dict[str, Any]], str, _Toolset], None]] = {
     "message": _message,
     "function_call": _function_call,
     "function_call_output": _call_output,
@@ -267,33 +292,124 @@ def _lead_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"role": "system", "content": merged}, *messages[lead:]]
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise DialectError(400, "'tools' must be a list")
-    return [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+_ADDITIONAL_TOOLS = "additional_tools"
+_NAMESPACE = "namespace"
 
 
-def _tool(tool: Any, where: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _Tool:
+    """A tool the model may call, as the harness named it."""
+
+    name: str
+    namespace: str | None
+    custom: bool
+    function: dict[str, Any]  # its chat function (name filled in by _toolset)
+
+
+@dataclass
+class _Toolset:
+    """The request's callable tools as chat functions, and the way back from a chat name
+    to the tool's name, namespace and kind."""
+
+    tools: list[_Tool] = field(default_factory=list)
+    by_chat_name: dict[str, _Tool] = field(default_factory=dict)
+    chat_names: dict[tuple[str | None, str], str] = field(default_factory=dict)
+
+    def chat_name(self, name: str, namespace: str | None) -> str:
+        return self.chat_names.get((namespace, name), name)
+
+    def functions(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "type": "function",
+                "function": {**t.function, "name": self.chat_name(t.name, t.namespace)},
+            }
+            for t in self.tools
+        ]
+
+    def find(self, chat_name: str) -> _Tool | None:
+        return self.by_chat_name.get(chat_name)
+
+
+def _toolset(body: dict[str, Any], ignored: set[str] | None = None) -> _Toolset:
+    """The tools of ``body["tools"]`` and of its ``additional_tools`` input items,
+    namespaces flattened. A bare name is the chat name unless two tools share it; then
+    each becomes ``namespace.name``."""
+    ignored = set() if ignored is None else ignored
+    listed: dict[tuple[str | None, str], _Tool] = {}
+    for where, tools in _tool_lists(body):
+        for i, tool in enumerate(tools):
+            for found in _tool(tool, f"{where}[{i}]", None, ignored):
+                listed[(found.namespace, found.name)] = found  # a later listing replaces one
+    toolset = _Toolset(tools=list(listed.values()))
+    bare = [t.name for t in toolset.tools]
+    for t in toolset.tools:
+        chat = (
+            t.name if bare.count(t.name) == 1 or t.namespace is None else f"{t.namespace}.{t.name}"
+        )
+        toolset.chat_names[(t.namespace, t.name)] = chat
+        toolset.by_chat_name[chat] = t
+    for t in toolset.tools:  # a model may write the qualified name of a tool anyway
+        if t.namespace is not None:
+            toolset.by_chat_name.setdefault(f"{t.namespace}.{t.name}", t)
+    return toolset
+
+
+def _tool_lists(body: dict[str, Any]) -> list[tuple[str, list[Any]]]:
+    lists: list[tuple[str, list[Any]]] = []
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise DialectError(400, "'tools' must be a list")
+        lists.append(("tools", tools))
+    items = body.get("input")
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        if isinstance(item, dict) and item.get("type") == _ADDITIONAL_TOOLS:
+            extra = item.get("tools")
+            if not isinstance(extra, list):
+                raise DialectError(400, f"input[{i}].tools must be a list")
+            lists.append((f"input[{i}].tools", extra))
+    return lists
+
+
+def _tool(tool: Any, where: str, namespace: str | None, ignored: set[str]) -> list[_Tool]:
     kind = tool.get("type") if isinstance(tool, dict) else None
     if kind == "function":
-        function = {
-            "name": _name(tool, where),
-            "parameters": tool.get("parameters") or {"type": "object", "properties": {}},
-        }
-        if tool.get("description"):
-            function["description"] = tool["description"]
-        if tool.get("strict") is not None:
-            function["strict"] = tool["strict"]
-        return {"type": "function", "function": function}
+        return [_Tool(_name(tool, where), namespace, False, _function(tool, where))]
     if kind == "custom":
-        return {"type": "function", "function": _custom_function(tool, where)}
+        return [_Tool(_name(tool, where), namespace, True, _custom_function(tool, where))]
+    if kind == _NAMESPACE and namespace is None:
+        inner = tool.get("tools")
+        if not isinstance(inner, list):
+            raise DialectError(400, f"{where}.tools must be a list")
+        if tool.get("description"):
+            ignored.add("namespace descriptions")
+        name = _name(tool, where)
+        return [
+            t for j, x in enumerate(inner) for t in _tool(x, f"{where}.tools[{j}]", name, ignored)
+        ]
+    if isinstance(kind, str) and kind != _NAMESPACE:
+        # web_search, file_search, code_interpreter, image_generation, mcp, local_shell...:
+        # OpenAI runs them, or they come back as items of their own. The model behind
+        # this gateway cannot call them; the harness goes on with its other tools.
+        ignored.add(f"tools of type {kind}")
+        return []
     raise DialectError(
         400,
-        f"{where}: tools of type {kind!r} cannot be translated: it runs on OpenAI's side or "
-        "needs a client of its own; only 'function' and 'custom' tools can be",
+        f"{where}: a tool needs a type: 'function', 'custom' or 'namespace' (of those two)",
     )
+
+
+def _function(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    function = {
+        "name": _name(tool, where),
+        "parameters": tool.get("parameters") or {"type": "object", "properties": {}},
+    }
+    if tool.get("description"):
+        function["description"] = tool["description"]
+    if tool.get("strict") is not None:
+        function["strict"] = tool["strict"]
+    return function
 
 
 def _custom_function(tool: dict[str, Any], where: str) -> dict[str, Any]:
@@ -320,16 +436,22 @@ def _custom_function(tool: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _tool_choice(
-    choice: Any, tools: list[dict[str, Any]]
+    choice: Any, toolset: _Toolset
 ) -> tuple[str | dict[str, Any] | None, list[dict[str, Any]]]:
+    tools = toolset.functions()
     if choice is None or choice in ("none", "auto", "required"):
         return choice, tools
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind in ("function", "custom") and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}, tools
+        name = toolset.chat_name(choice["name"], choice.get("namespace"))
+        return {"type": "function", "function": {"name": name}}, tools
     if kind == "allowed_tools" and choice.get("mode") in ("auto", "required"):
         # Chat completions has no allowed list: the other tools are left out instead.
-        allowed = {t.get("name") for t in choice.get("tools") or () if isinstance(t, dict)}
+        allowed = {
+            toolset.chat_name(t["name"], t.get("namespace"))
+            for t in choice.get("tools") or ()
+            if isinstance(t, dict) and isinstance(t.get("name"), str)
+        }
         return choice["mode"], [t for t in tools if t["function"]["name"] in allowed]
     raise DialectError(
         400,
@@ -352,14 +474,6 @@ def _response_format(text: Any, ignored: set[str]) -> dict[str, Any] | None:
         schema = {k: fmt[k] for k in ("name", "schema", "description", "strict") if k in fmt}
         return {"type": "json_schema", "json_schema": schema}
     raise DialectError(400, f"text.format of type {kind!r} cannot be translated")
-
-
-def _custom_names(request: dict[str, Any]) -> set[str]:
-    return {
-        t["name"]
-        for t in request.get("tools") or ()
-        if isinstance(t, dict) and t.get("type") == "custom" and isinstance(t.get("name"), str)
-    }
 
 
 # --- answer --------------------------------------------------------------------------
@@ -410,10 +524,10 @@ def _response(
     item_ids: list[str],
 ) -> dict[str, Any]:
     incomplete = _INCOMPLETE.get(outcome.finish_reason or "")
-    custom = _custom_names(request)
+    toolset = _toolset(request)
     last = len(outcome.blocks) - 1
     output = [
-        _item(block, item_id, custom, "incomplete" if incomplete and i == last else "completed")
+        _item(block, item_id, toolset, "incomplete" if incomplete and i == last else "completed")
         for i, (block, item_id) in enumerate(zip(outcome.blocks, item_ids, strict=True))
     ]
     return {
@@ -425,13 +539,18 @@ def _response(
     }
 
 
-def _new_item_id(block: Block, custom: set[str]) -> str:
+def _is_custom(block: Block, toolset: _Toolset) -> bool:
+    tool = toolset.find(block.name or "")
+    return tool is not None and tool.custom
+
+
+def _new_item_id(block: Block, toolset: _Toolset) -> str:
     if block.kind == "text":
         return new_id("msg_")
-    return new_id("ctc_" if block.name in custom else "fc_")
+    return new_id("ctc_" if _is_custom(block, toolset) else "fc_")
 
 
-def _item(block: Block, item_id: str, custom: set[str], status: str) -> dict[str, Any]:
+def _item(block: Block, item_id: str, toolset: _Toolset, status: str) -> dict[str, Any]:
     if block.kind == "text":
         return {
             "id": item_id,
@@ -440,19 +559,25 @@ def _item(block: Block, item_id: str, custom: set[str], status: str) -> dict[str
             "status": status,
             "content": [_text_part(block.text)],
         }
-    if block.name in custom:
+    tool = toolset.find(block.name or "")
+    # The harness's own name for the tool: bare, with its namespace beside it (Codex
+    # answers "unsupported call" to "namespace.name").
+    called: dict[str, Any] = {"name": block.name} if tool is None else {"name": tool.name}
+    if tool is not None and tool.namespace is not None:
+        called["namespace"] = tool.namespace
+    if tool is not None and tool.custom:
         return {
             "id": item_id,
             "type": "custom_tool_call",
             "call_id": block.call_id,
-            "name": block.name,
+            **called,
             "input": _custom_input(block.text),
         }
     return {
         "id": item_id,
         "type": "function_call",
         "call_id": block.call_id,
-        "name": block.name,
+        **called,
         "arguments": block.text,
         "status": status,
     }
@@ -494,7 +619,7 @@ class ResponsesStream:
 
     def __init__(self, request: dict[str, Any]) -> None:
         self._request = request
-        self._custom = _custom_names(request)
+        self._tools = _toolset(request)
         self._reader = ChunkReader("call_")
         self._id = new_id("resp_")
         self._created_at = int(time.time())
@@ -558,7 +683,7 @@ class ResponsesStream:
             return [
                 self._event("response.output_text.delta", **where, delta=piece.text, logprobs=[])
             ]
-        if block.name in self._custom:
+        if _is_custom(block, self._tools):
             return []  # its input is whole only once its JSON is (see _end)
         return [
             self._event(
@@ -570,12 +695,12 @@ class ResponsesStream:
         ]
 
     def _start(self, block: Block) -> list[bytes]:
-        item_id = _new_item_id(block, self._custom)
+        item_id = _new_item_id(block, self._tools)
         index = len(self._item_ids)
         self._item_ids.append(item_id)
         self._open = (block, item_id, index)
         item = _item(
-            Block(block.kind, "", block.call_id, block.name), item_id, self._custom, "in_progress"
+            Block(block.kind, "", block.call_id, block.name), item_id, self._tools, "in_progress"
         )
         events = [self._event("response.output_item.added", output_index=index, item=item)]
         if block.kind == "text":
@@ -594,7 +719,7 @@ class ResponsesStream:
         assert self._open is not None
         _, item_id, index = self._open
         incomplete = self._finishing and _INCOMPLETE.get(self._reader.outcome.finish_reason or "")
-        item = _item(block, item_id, self._custom, "incomplete" if incomplete else "completed")
+        item = _item(block, item_id, self._tools, "incomplete" if incomplete else "completed")
         where = {"item_id": item_id, "output_index": index}
         if block.kind == "text":
             events = [
@@ -609,7 +734,7 @@ class ResponsesStream:
                     "response.content_part.done", **where, content_index=0, part=item["content"][0]
                 ),
             ]
-        elif block.name in self._custom:
+        elif _is_custom(block, self._tools):
             events = [
                 self._event("response.custom_tool_call_input.delta", **where, delta=item["input"]),
                 self._event("response.custom_tool_call_input.done", **where, input=item["input"]),
