@@ -304,3 +304,23 @@ def _weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> Iterator
         yield
     finally:
         model.load_state_dict(saved)
+
+
+def test_attach_to_running_servers(served: Served) -> None:
+    """Attaching finds the replicas by URL, refuses a server that serves another name,
+    publishes through them, and leaves them running on close."""
+    model, tokenizer = served.loaded.model, served.loaded.tokenizer
+    urls = served.servers.endpoints
+    wrong = VllmServers(model, tokenizer, "other", served.servers.run_dir, VllmOptions(urls=urls))
+    with pytest.raises(RuntimeError, match=r"serves \['smollm2'\], not 'other'"):
+        wrong.start()
+    options = VllmOptions(urls=urls, weights_dir=str(served.servers.weights_dir))
+    with VllmServers(model, tokenizer, NAME, served.servers.run_dir, options) as attached:
+        assert attached.endpoints == urls
+        assert attached.stats.tokens_generated == served.servers.stats.tokens_generated > 0
+        attached.publish(3)  # the same weights again: calls must still match them
+    served.admin.register_models(served.servers.model_endpoints(3))
+    r = rollout_on(served)
+    agent(served, r).chat.completions.create(model=NAME, messages=MESSAGES, seed=5, **SAMPLING)
+    (call,) = recorded(served, r)
+    assert call["policy_version"] == 3 and max_diff(model, call) < LOGPROB_TOL

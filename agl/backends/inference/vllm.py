@@ -13,7 +13,8 @@ else ``.venv-vllm/bin/python`` in the repository root).
 How a weight update reaches vLLM (``publish``), and why this way:
 
 1. The trainer's module is written as one ``model.safetensors`` into the served model
-   folder (a temporary name, then ``os.replace``: a replica never reads half a file).
+   folder (a temporary name, then ``os.replace``: a replica never reads half a file),
+   tied embeddings written twice and served untied (``write_weights`` says why).
 2. Each replica, through vLLM's dev-mode endpoints (``VLLM_SERVER_DEV_MODE=1``):
    ``POST /pause?mode=wait`` (in-flight requests finish under the old weights, new ones
    queue: no response mixes two policies), ``POST /collective_rpc`` with
@@ -522,3 +523,24 @@ def options_from(config: dict[str, Any], keys: Sequence[str] = ()) -> VllmOption
     """``VllmOptions`` from the Hydra ``inference`` group, less ``name`` and ``keys``."""
     drop = {"name", *keys}
     return VllmOptions(**{k: v for k, v in config.items() if k not in drop})
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m agl.backends.inference.vllm MODEL DIR``: write the folder a vLLM server
+    to attach to (``inference.urls``) should serve: ``MODEL``'s config (untied, see
+    ``write_weights``), tokenizer and weights; then pass ``inference.weights_dir=DIR``."""
+    import argparse
+
+    from agl.backends.inference.models import load_model
+
+    parser = argparse.ArgumentParser(prog="python -m agl.backends.inference.vllm")
+    parser.add_argument("model", help="a model name of conf/model/ (tiny, smollm2)")
+    parser.add_argument("dir", type=Path, help="the folder to write")
+    args = parser.parse_args(argv)
+    loaded = load_model(args.model)
+    write_model_folder(loaded.model, loaded.tokenizer, args.dir)
+    print(f"wrote {args.model} to {args.dir}; serve it with --served-model-name {loaded.name}")
+
+
+if __name__ == "__main__":
+    main()
