@@ -277,6 +277,16 @@ def _policy(config: Any, loaded: LoadedModel, server: InferenceService, run_dir:
         return EmbeddedPolicy(TorchBackend(loaded.model, config), server.paused)
     from agl.backends.training.verl import VerlPolicy
 
+    if config.on_ray:  # backend.ranks > 1: verl's FSDP workers on Ray
+        from agl.backends.training.verl_ray import RayVerlPolicy
+
+        return RayVerlPolicy(
+            loaded.model,
+            config,
+            tokenizer=loaded.tokenizer,
+            paused=server.paused,
+            work_dir=run_dir / "verl",
+        )
     return VerlPolicy(
         loaded.model,
         config,
@@ -307,7 +317,14 @@ def _serve(
                 seed=cfg.seed,
                 num_threads=settings["torch_threads"],
             )
-    except (OSError, ValueError, KeyError) as error:
+        if options["name"] == "vllm":
+            from agl.backends.inference.vllm import VllmOptions, VllmServers
+
+            settings["max_model_len"] = settings.get("max_model_len") or max_context
+            return VllmServers(
+                loaded.model, loaded.tokenizer, loaded.name, run_dir, VllmOptions(**settings)
+            )
+    except (OSError, ValueError, KeyError, TypeError) as error:
         raise UserError(f"inference={options['name']}: {error}") from None
     raise UserError(f"inference={options['name']}: no such inference engine")
 

@@ -130,13 +130,23 @@ class VerlBackendConfig:
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
     device: str = "auto"  # auto: verl's platform (cuda/npu) if any, else the CPU plugin
+    # Where the update runs: 1 rank in this process (VerlPolicy), or a Ray worker group
+    # of `ranks` FSDP workers (verl_ray.RayVerlPolicy; `ray: true` forces it for 1 rank).
+    ranks: int = 1
+    ray: bool = False
+    ray_address: str | None = None  # None: start a local Ray; "auto"/"host:port": join one
     # Carried over from torch.yaml so one override line serves both backends.
     torch_threads: int = 2
+
+    @property
+    def on_ray(self) -> bool:
+        """Whether the update runs on a Ray worker group (``verl_ray``)."""
+        return self.ray or self.ranks > 1 or self.ray_address is not None
 
     def __post_init__(self) -> None:
         if self.strategy not in ("fsdp", "fsdp2"):
             raise ValueError(f"backend.strategy must be fsdp or fsdp2, not {self.strategy!r}")
-        for name in ("num_mini_batches", "ppo_epochs", "max_tokens_per_micro_batch"):
+        for name in ("num_mini_batches", "ppo_epochs", "max_tokens_per_micro_batch", "ranks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"backend.{name} must be at least 1")
         if not self.clip_ratio_c > 1.0:

@@ -38,6 +38,7 @@ shards), so it stays the plain ``nn.Module`` the inference engine serves.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -49,7 +50,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from verl.single_controller.base.decorator import dispatch_lazy_compute_data_proto, register
+from verl.single_controller.base.decorator import (
+    Dispatch,
+    dispatch_lazy_compute_data_proto,
+    register,
+)
 from verl.workers.engine_workers import TrainingWorker
 
 from agl.backends.training.verl import (
@@ -142,6 +147,14 @@ class AglTrainingWorker(TrainingWorker):
         state = get_model_state_dict(self.engine.module, options=options)
         return {k: v.detach().clone() for k, v in state.items()}
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def agl_optimizer_steps(self) -> int:
+        """AdamW steps this rank has taken (every rank answers: they must agree)."""
+        steps = [
+            int(state["step"]) for state in self.engine.optimizer.state.values() if "step" in state
+        ]
+        return max(steps, default=0)
+
     @register(dispatch_mode=ONE_TO_ALL_RANK_ZERO)
     def agl_dp_size(self) -> int:
         return int(self.engine.get_data_parallel_size())
@@ -197,6 +210,7 @@ class RayWorkers:
     group: Any
     pool: Any
     started_ray: bool
+    closed: bool = False
 
     @classmethod
     def start(
@@ -248,8 +262,9 @@ class RayWorkers:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        if not ray.is_initialized():
+        if self.closed or not ray.is_initialized():
             return
+        self.closed = True
         for handle in getattr(self.group, "_workers", []):
             ray.kill(handle, no_restart=True)
         for pg in self.pool.pgs or []:
@@ -285,11 +300,7 @@ class RayVerlPolicy(VerlPolicy):
         tokenizer: Any = None,
         paused: Callable[[], AbstractContextManager[None]] | None = None,
         work_dir: Path | None = None,
-        ranks: int = 2,
-        address: str | None = None,
     ) -> None:
-        if ranks < 1:
-            raise ValueError(f"backend.ranks must be at least 1, got {ranks}")
         self.config = config
         self.model = model
         self.paused = paused or nullcontext
@@ -300,10 +311,13 @@ class RayVerlPolicy(VerlPolicy):
         self.vocab = model.get_input_embeddings().num_embeddings
         start = time.perf_counter()
         folder = _model_folder(model, tokenizer, self.work_dir / "hf_model")
-        self.workers = RayWorkers.start(config, folder, ranks, address)
-        self.ranks = ranks
+        self.workers = RayWorkers.start(config, folder, config.ranks, config.ray_address)
+        # agl.train has no close hook for a policy: the workers (and a Ray we started)
+        # go when the process exits, before Ray's own exit handler (atexit is LIFO).
+        atexit.register(self.close)
         self._dp = int(self.workers.group.agl_dp_size())
-        logger.info("verl on Ray: %d ranks ready in %.1fs", ranks, time.perf_counter() - start)
+        self.startup_s = time.perf_counter() - start
+        logger.info("verl on Ray: %d ranks ready in %.1fs", config.ranks, self.startup_s)
 
     # -- VerlPolicy's hooks: the update runs on the workers
 
@@ -348,6 +362,8 @@ class RayVerlPolicy(VerlPolicy):
         self._pull()
 
     def close(self) -> None:
+        """Stop the workers (and Ray, if this policy started it); idempotent."""
+        atexit.unregister(self.close)
         self.workers.close()
         if self._own_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
