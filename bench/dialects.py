@@ -1,9 +1,13 @@
-"""Translation overhead: proxied Responses and Anthropic Messages calls vs chat completions.
+"""Translation overhead: proxied Responses, Anthropic Messages and text completions calls
+vs chat completions.
 
-One gateway, one fake vLLM-shaped upstream, one run. Each API's request asks the same
-thing (a system prompt, a user turn, 32 tokens), so the upstream is asked the same chat
-request and answers the same tokens; what differs is the gateway's work: translating the
-request, the answer (or each chunk of its stream) and the error shapes. Agents loop,
+One gateway, one fake vLLM-shaped upstream, one run. Each chat-shaped API's request asks
+the same thing (a system prompt, a user turn, 32 tokens), so the upstream is asked the
+same chat request and answers the same tokens; what differs is the gateway's work:
+translating the request, the answer (or each chunk of its stream) and the error shapes.
+A text completion has no translation but its own answer shape (ids on each choice,
+``token_logprobs``); its prompt is the same text and its answer capped at the chat
+answer's length (one token fewer: no eos). Agents loop,
 each sending its next call when the last one answered, unary and streamed. The cells of
 one concurrency and mode run in two halves, A B C then C B A, so that neither the order
 nor the store growing under the run favours an API.
@@ -29,7 +33,7 @@ from agl.core.client import GatewayClient, proxy_base_url
 from agl.testing.processes import gateway_process
 from bench.gateway import Result, Target, fake_upstream, load, titled
 
-APIS = ("chat", "responses", "anthropic")
+APIS = ("chat", "responses", "anthropic", "completions")
 SYSTEM = "You are a terse assistant."
 OUT = Path(__file__).parent / "results" / "dialects.txt"
 
@@ -47,6 +51,13 @@ def body(api: str, stream: bool) -> Callable[[int], bytes]:
                     {"role": "system", "content": SYSTEM},
                     {"role": "user", "content": question},
                 ],
+            }
+        elif api == "completions":
+            # As many tokens (bytes, in fake vLLM) as the chat answer, "turn 2: question n".
+            request = {
+                "model": "policy",
+                "max_tokens": len(f"turn 2: {question}"),
+                "prompt": f"{SYSTEM}\n{question}",
             }
         elif api == "responses":
             request = {
@@ -85,7 +96,9 @@ def targets(gw_url: str, token: str, upstream: str, pid: int, agents: int) -> li
             urls = [b.removesuffix("/openai/v1") + "/anthropic/v1/messages" for b in bases]
             headers = [{"x-api-key": r.attempt_key or ""} for r in mine]
         else:
-            tail = "/chat/completions" if api == "chat" else "/responses"
+            tail = {"chat": "/chat/completions", "completions": "/completions"}.get(
+                api, "/responses"
+            )
             urls = [b + tail for b in bases]
             headers = [{"Authorization": f"Bearer {r.attempt_key}"} for r in mine]
         for stream in (False, True):
@@ -169,6 +182,8 @@ def report(results: dict[tuple[str, bool, int], Result], concurrency: list[int],
             "responses CPU",
             "anthropic calls/s",
             "anthropic CPU",
+            "completions calls/s",
+            "completions CPU",
         ],
         rows,
     )
