@@ -39,7 +39,6 @@ import sqlite3
 import psutil
 import ray
 import torch
-from test_verl_backend import CLIP_HIGH, CLIP_LOW, make_batch
 from verl.utils import tensordict_utils as tu
 
 import agl.strategies.loss  # noqa: F401  (registers the loss strategies)
@@ -49,6 +48,7 @@ from agl.backends.training.verl import VerlBackendConfig
 from agl.backends.training.verl_ray import RayVerlPolicy, start_ray
 from agl.core.registry import get
 from agl.train import ROOT
+from tests.test_verl_backend import CLIP_HIGH, CLIP_LOW, make_batch
 
 RANKS = 2
 # Marks every process this module's Ray starts (they inherit the environment), so the
