@@ -324,3 +324,62 @@ def test_attach_to_running_servers(served: Served) -> None:
     agent(served, r).chat.completions.create(model=NAME, messages=MESSAGES, seed=5, **SAMPLING)
     (call,) = recorded(served, r)
     assert call["policy_version"] == 3 and max_diff(model, call) < LOGPROB_TOL
+
+
+# ------------------------------------------------------------------- agl.train on vLLM
+
+TRAIN_SMALL = [
+    "trainer.steps=2",
+    "trainer.groups_per_step=4",
+    "trainer.group_size=8",
+    "trainer.val_every=2",
+    "trainer.val_size=4",
+    "trainer.checkpoint_every=1",
+    "task.warmup_options.steps=30",
+    "logging.wandb=false",
+    "logging.progress=false",
+    "controller.concurrency=32",
+]
+
+
+def test_agl_train_runs_on_vllm(tmp_path: Path) -> None:
+    """``python -m agl.train inference=vllm`` on the tiny model: vLLM serves the rollouts,
+    each update is published to it, and the trainer's recomputed logprobs of what vLLM
+    sampled equal the recorded ones (so the served weights were the trained ones)."""
+    import json
+    import sqlite3
+    import subprocess
+
+    python = find_vllm_python()
+    if python is None:
+        pytest.skip("vLLM is not installed: bash tests/vllm/install.sh (or set AGL_VLLM_PYTHON)")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agl.train",
+            *TRAIN_SMALL,
+            "inference=vllm",
+            f"inference.python={python}",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "reward/mean" in row]
+    assert [row["step"] for row in steps] == [1, 2]
+    for row in steps:
+        assert row["train/tokens_trained"] > 0
+        assert row["calls/invalid"] == 0
+        assert row["train/logprob_mismatch"] < LOGPROB_TOL
+    with sqlite3.connect(tmp_path / "gateway" / "gateway.db") as db:
+        calls = [
+            json.loads(d)
+            for (d,) in db.execute("SELECT data FROM events WHERE type = 'model_request'")
+        ]
+    assert {0, 1, 2} <= {c["policy_version"] for c in calls}
+    assert (tmp_path / "vllm" / "replica-0.log").exists()
