@@ -427,14 +427,17 @@ def ensure_process_group() -> None:
     from verl.utils.device import get_device_name
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "gloo" if get_device_name() == "cpu" else f"cpu:gloo,{get_device_name()}:nccl"
-        dist.init_process_group(
-            backend=backend,
-            rank=int(os.environ.get("RANK", 0)),
-            world_size=int(os.environ.get("WORLD_SIZE", 1)),
-        )
+        rank = int(os.environ.get("RANK", 0))
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        if world_size == 1:
+            # One process needs no rendezvous: an in-memory store, no port to race for
+            # (a port picked free and bound later was taken meanwhile in agl.train runs).
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
     os.environ.setdefault("RANK", str(dist.get_rank()))
     os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
     os.environ.setdefault("LOCAL_RANK", "0")

@@ -9,7 +9,7 @@ weights, mini-batches and the ``TensorDict`` handed over are the in-process path
 
 1. **Build.** The trainer writes its module (``save_pretrained``) and tokenizer to
    ``work_dir/hf_model``; every worker loads it through verl's own ``_build_module``
-   (rank 0 reads the weights, FSDP2 broadcasts them), so all ranks start from the very
+   (``from_pretrained``, then FSDP2 shards it), so all ranks start from the very
    weights the inference engine serves.
 2. **Update.** Each agl mini-batch (padded to a multiple of the dp size with rows that
    train nothing) is ONE call of :meth:`AglTrainingWorker.agl_train`, dispatched by verl's
@@ -115,7 +115,7 @@ def _register_cpu_engine() -> None:
 
 
 class AglTrainingWorker(TrainingWorker):
-    """verl's ``TrainingWorker`` with agl's device setup and three methods the trainer
+    """verl's ``TrainingWorker`` with agl's device setup and the methods the trainer
     calls through the worker group (verl's ``@register`` dispatch)."""
 
     def __init__(self, config: Any, device: str, threads: int) -> None:
@@ -236,7 +236,10 @@ class RayWorkers:
             pool = RayResourcePool(
                 process_on_nodes=[ranks], use_gpu=device != "cpu", max_colocate_count=1
             )
-            threads = max(1, config.torch_threads // ranks) if device == "cpu" else 8
+            # CPU ranks share this machine's cores; a GPU rank has its node's to itself.
+            threads = config.torch_threads
+            if device == "cpu":
+                threads = max(1, threads // ranks)
             worker = RayClassWithInitArgs(
                 ray.remote(AglTrainingWorker),
                 config=worker_config(config, model_path),
@@ -249,7 +252,7 @@ class RayWorkers:
                 device_name=device,
                 worker_env={"OMP_NUM_THREADS": str(threads)},
             )
-            group.reset()  # every rank builds verl's FSDP engine (rank 0 reads the weights)
+            group.reset()  # every rank builds verl's FSDP engine from the folder
             group.set_loss_fn(loss_fn(config))
         except BaseException:
             if started:
