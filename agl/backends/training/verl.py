@@ -42,6 +42,10 @@ verl's FSDP2 engine runs unchanged in-process. The engine's module is the caller
 ``nn.Module`` (:func:`_shared_module_engine` overrides only ``_build_module``, which
 would otherwise load a fresh copy from disk): FSDP2's ``fully_shard`` converts it in
 place, so the embedded inference engine keeps serving the very object verl updates.
+
+**Many ranks.** ``backend.ranks > 1`` runs the same hand-offs on verl's ``RayWorkerGroup``
+of FSDP workers instead (``agl/backends/training/verl_ray.py``): :class:`VerlPolicy`'s
+``_updating``/``_update``/``_refresh``/``_dp_size`` are the only steps that differ.
 """
 
 from __future__ import annotations
