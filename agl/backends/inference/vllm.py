@@ -55,6 +55,7 @@ from typing import Any
 import httpx
 import torch
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 from agl.core.records import ModelEndpoint
 from agl.core.services import free_port
@@ -146,7 +147,10 @@ def write_weights(model: torch.nn.Module, folder: Path) -> Path:
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
-        tensor = p.detach().contiguous()
+        tensor = p.detach()
+        if isinstance(tensor, DTensor):  # a module FSDP2 (backend=verl) left sharded
+            tensor = tensor.full_tensor()
+        tensor = tensor.contiguous()
         # safetensors refuses two names on one storage: the second gets its own copy.
         tensors[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
         seen.add(tensor.data_ptr())
