@@ -153,6 +153,8 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
         except (OSError, RuntimeError) as error:
             raise UserError(f"inference={cfg.inference.name}: {error}") from None
         policy = _policy(backend_config, loaded, server, run_dir)
+        if close_policy := getattr(policy, "close", None):
+            stack.callback(close_policy)  # verl's workers (and a Ray it started)
         agent_gateway_url = cfg.controller.get("agent_gateway_url") or gateway.url
         executor = _executor(options["controller"], cfg.task.harness, run_dir, agent_gateway_url)
         http = fast_http_client(64)

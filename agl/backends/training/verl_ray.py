@@ -315,8 +315,8 @@ class RayVerlPolicy(VerlPolicy):
         start = time.perf_counter()
         folder = _model_folder(model, tokenizer, self.work_dir / "hf_model")
         self.workers = RayWorkers.start(config, folder, config.ranks, config.ray_address)
-        # agl.train has no close hook for a policy: the workers (and a Ray we started)
-        # go when the process exits, before Ray's own exit handler (atexit is LIFO).
+        # agl.train closes its policy; any other owner that forgets still loses the
+        # workers (and a Ray we started) at exit, before Ray's own handler (LIFO).
         atexit.register(self.close)
         self._dp = int(self.workers.group.agl_dp_size())
         self.startup_s = time.perf_counter() - start
