@@ -42,7 +42,7 @@ from typing import IO, Any, TypeVar
 
 import httpx
 
-from agl.core.calls import dedup, read_calls
+from agl.core.calls import dedup, read_calls, shown_messages
 from agl.core.client import AsyncGatewayClient, GatewayError
 from agl.core.explain import BreakDetail, Explanation, explain
 from agl.core.records import Event, Rollout, Status
@@ -342,8 +342,7 @@ def show_event(event: Event, label: str, args: argparse.Namespace, out: IO[str])
             f"{count(data.get('response_ids'))} response tokens",
             file=out,
         )
-        messages = data.get("messages")
-        messages = messages if isinstance(messages, list) else []
+        messages = shown_messages(data)
         tail = messages[-args.messages :] if args.messages else []
         if len(messages) > len(tail):
             print(f"      … {len(messages) - len(tail)} earlier messages", file=out)

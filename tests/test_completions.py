@@ -28,6 +28,7 @@ from agl.core.records import Rollout
 from agl.core.registry import get
 from agl.testing.fake_vllm import EOS, FakeVllm, completion_for, encode, logprob, prompt_ids
 from agl.testing.processes import GatewayProcess, gateway_process, serve_process
+from agl.ui.views import timeline
 
 PROMPT = "The capital of France is"
 
@@ -95,6 +96,17 @@ def test_a_text_completion_is_recorded_like_a_chat_call(
     assert call["response_ids"] == [*encode(text), EOS]
     assert call["logprobs"] == [logprob(i) for i in range(len(call["response_ids"]))]
     assert call["policy_version"] == 3 and "invalid" not in call
+
+
+def test_the_viewer_shows_a_text_completions_prompt(
+    gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout], fake: FakeVllm
+) -> None:
+    r = running()
+    text, _, _ = complete(openai_client(gateway, r), False, model="any", prompt=PROMPT)
+    events = admin.get_events(r.rollout_id)
+    (item,) = [i for i in timeline(events) if i.kind == "call"]
+    assert [(m.role, m.text) for m in item.messages] == [("prompt", PROMPT)]
+    assert item.response == text
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])

@@ -73,6 +73,18 @@ class ReadCalls:
     invalid: Counter[str] = field(default_factory=Counter)  # reason -> calls left out
 
 
+def shown_messages(data: Mapping[str, Any]) -> list[Any]:
+    """A recorded call's prompt as chat messages, for people to read: its ``messages``,
+    or a text completion's ``prompt`` as one message of role ``prompt``."""
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        return messages
+    prompt = data.get("prompt")
+    if isinstance(prompt, str):
+        return [{"role": "prompt", "content": prompt}]
+    return []
+
+
 def dedup(calls: Sequence[ModelCall]) -> list[ModelCall]:
     """Drop retried calls: of calls with identical ``prompt_ids``, keep the last.
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agl.core.assemble import FinishedRollout, MergeStrategy, assemble
+from agl.core.calls import shown_messages
 from agl.core.explain import calls_from_events
 from agl.core.records import Event, Rollout, Status
 from agl.core.store import Summary
@@ -78,8 +79,7 @@ def _transcript(events: Sequence[Event]) -> list[MessageView]:
     )
     if last is None:
         return []
-    messages = last.data.get("messages")
-    shown = [message_view(m) for m in (messages if isinstance(messages, list) else [])]
+    shown = [message_view(m) for m in shown_messages(last.data)]
     response = last.data.get("response")
     shown.append(MessageView("response", response if isinstance(response, str) else "", ""))
     return shown

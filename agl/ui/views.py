@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from agl.core.calls import dedup, read_calls
+from agl.core.calls import dedup, read_calls, shown_messages
 from agl.core.records import Event, Rollout, Status
 from agl.core.store import Summary, Transition
 from agl.core.types import ModelCall
@@ -149,8 +149,7 @@ def timeline(
             kind="event", sequence=e.sequence, time=e.time, offset_s=e.time - start, type=e.type
         )
         if e.type in (MODEL_REQUEST, MODEL_REQUEST_FAILED):
-            messages = data.get("messages")
-            messages = messages if isinstance(messages, list) else []
+            messages = shown_messages(data)
             item.earlier = _shared_head(previous, messages)
             item.messages = [message_view(m) for m in messages[item.earlier :]]
             previous = messages
