@@ -258,6 +258,28 @@ def test_an_inference_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
     assert last.startswith(expected)
 
 
+def test_a_missing_vllm_is_a_one_line_error(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agl.train",
+            *SMALL,
+            "inference=vllm",
+            f"inference.python={tmp_path / 'no-vllm' / 'python'}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("agl.train: inference=vllm: vLLM's python is not found; install")
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_run_carries_on_when_its_gateway_is_killed(tmp_path: Path) -> None:
     """kill -9 of the gateway while agents call through it: the run restarts it on its
