@@ -470,7 +470,10 @@ class ScriptedExecutor:
         self.forgotten.append((rollout_id, attempt))
 
     async def stop(self, keys: set[tuple[str, int]]) -> None:
+        # A stopped execution is gone, as with the real executors; left "executing", later
+        # reconcile passes would stop it again and again.
         self.stopped.append(set(keys))
+        self.executing -= keys
 
     async def launch(self, launch: Launch) -> None:
         raise AssertionError("nothing to launch")
