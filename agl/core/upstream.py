@@ -47,7 +47,10 @@ class Upstream:
 
     async def start(self) -> None:
         # No connection cap: the admission gate and the harnesses bound concurrency.
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        # Idle connections are dropped before the servers' own 5 s keep-alive (uvicorn's
+        # default, vLLM's too) ends them: a connection the server closed while idle would
+        # be reused and fail with ServerDisconnectedError (then retried).
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4)
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=self._timeout, auto_decompress=True
         )
