@@ -316,7 +316,8 @@ class TorchBackend:
         samples; ``token_scale`` (aligned with tokens) multiplies its weights, 0 = drop.
         """
         start = time.perf_counter()
-        self._check_inputs(samples, advantages, token_scale)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        check_train_inputs(samples, advantages, token_scale, vocab)
         plan = schedule(
             samples,
             num_mini_batches=self.config.num_mini_batches,
@@ -473,35 +474,33 @@ class TorchBackend:
         self.optimizer.step()
         return norm.item()
 
-    # -- checks
 
-    def _check_inputs(
-        self,
-        samples: list[Sample],
-        advantages: list[float],
-        token_scale: list[list[float]] | None,
-    ) -> None:
-        if not samples:
-            raise ValueError("train() needs at least one sample, got an empty list")
-        if len(advantages) != len(samples):
+def check_train_inputs(
+    samples: list[Sample],
+    advantages: list[float],
+    token_scale: list[list[float]] | None,
+    vocab: int,
+) -> None:
+    """What every training backend's ``train()`` refuses, with a ValueError saying why."""
+    if not samples:
+        raise ValueError("train() needs at least one sample, got an empty list")
+    if len(advantages) != len(samples):
+        raise ValueError(
+            f"need one advantage per sample: {len(samples)} samples, {len(advantages)} advantages"
+        )
+    if not all(math.isfinite(a) for a in advantages):
+        raise ValueError("advantages must be finite numbers")
+    if token_scale is not None and len(token_scale) != len(samples):
+        raise ValueError(
+            f"token_scale needs one list per sample: {len(samples)} samples, "
+            f"{len(token_scale)} lists"
+        )
+    for i, s in enumerate(samples):
+        _check_sample(i, s, vocab)
+        if token_scale is not None and len(token_scale[i]) != len(s.tokens):
             raise ValueError(
-                f"need one advantage per sample: {len(samples)} samples, "
-                f"{len(advantages)} advantages"
+                f"token_scale[{i}] has {len(token_scale[i])} values for {len(s.tokens)} tokens"
             )
-        if not all(math.isfinite(a) for a in advantages):
-            raise ValueError("advantages must be finite numbers")
-        if token_scale is not None and len(token_scale) != len(samples):
-            raise ValueError(
-                f"token_scale needs one list per sample: {len(samples)} samples, "
-                f"{len(token_scale)} lists"
-            )
-        vocab = self.model.get_input_embeddings().num_embeddings
-        for i, s in enumerate(samples):
-            _check_sample(i, s, vocab)
-            if token_scale is not None and len(token_scale[i]) != len(s.tokens):
-                raise ValueError(
-                    f"token_scale[{i}] has {len(token_scale[i])} values for {len(s.tokens)} tokens"
-                )
 
 
 def _check_sample(index: int, sample: Sample, vocab: int) -> None:

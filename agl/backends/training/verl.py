@@ -638,6 +638,20 @@ class VerlPolicy:
         paused: Callable[[], AbstractContextManager[None]] | None = None,
         work_dir: Path | None = None,
     ) -> None:
+        self._setup(model, config, tokenizer, paused, work_dir)
+        with self.paused():
+            self.worker = build_worker(model, tokenizer, config, self.work_dir / "hf_config")
+            self._unshard()
+
+    def _setup(
+        self,
+        model: torch.nn.Module,
+        config: VerlBackendConfig,
+        tokenizer: Any,
+        paused: Callable[[], AbstractContextManager[None]] | None,
+        work_dir: Path | None,
+    ) -> None:
+        """What every verl policy holds, wherever its update runs."""
         self.config = config
         self.model = model
         self.paused = paused or nullcontext
@@ -646,9 +660,6 @@ class VerlPolicy:
         pad_id = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad_id) if pad_id is not None else 0
         self.vocab = model.get_input_embeddings().num_embeddings
-        with self.paused():
-            self.worker = build_worker(model, tokenizer, config, self.work_dir / "hf_config")
-            self._unshard()
 
     def _unshard(self) -> None:
         """Gather every FSDP2 unit's full parameters now, outside inference mode.
@@ -754,25 +765,12 @@ class VerlPolicy:
         advantages: list[float],
         token_scale: list[list[float]] | None,
     ) -> None:
-        if not samples:
-            raise ValueError("train() needs at least one sample, got an empty list")
-        if len(advantages) != len(samples):
-            raise ValueError(
-                f"need one advantage per sample: {len(samples)} samples, "
-                f"{len(advantages)} advantages"
-            )
-        if not all(math.isfinite(a) for a in advantages):
-            raise ValueError("advantages must be finite numbers")
-        if token_scale is not None and len(token_scale) != len(samples):
-            raise ValueError(
-                f"token_scale needs one list per sample: {len(samples)} samples, "
-                f"{len(token_scale)} lists"
-            )
-        for i, s in enumerate(samples):
+        from agl.backends.training.torch import check_train_inputs
+
+        for s in samples:
             if s.parents is not None or s.position_ids is not None:
                 split(s, [0.0] * len(s.tokens), 0.0)  # raises TreeSampleError
-            if s.tokens and not all(0 <= t < self.vocab for t in s.tokens):
-                raise ValueError(f"sample {i}: token ids must be in [0, {self.vocab})")
+        check_train_inputs(samples, advantages, token_scale, self.vocab)
 
     # -- weights and checkpoints
 

@@ -42,7 +42,6 @@ import atexit
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -304,14 +303,7 @@ class RayVerlPolicy(VerlPolicy):
         paused: Callable[[], AbstractContextManager[None]] | None = None,
         work_dir: Path | None = None,
     ) -> None:
-        self.config = config
-        self.model = model
-        self.paused = paused or nullcontext
-        self._own_dir = work_dir is None
-        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="agl-verl-ray-"))
-        pad_id = getattr(tokenizer, "pad_token_id", None)
-        self.pad_id = int(pad_id) if pad_id is not None else 0
-        self.vocab = model.get_input_embeddings().num_embeddings
+        self._setup(model, config, tokenizer, paused, work_dir)
         start = time.perf_counter()
         folder = _model_folder(model, tokenizer, self.work_dir / "hf_model")
         self.workers = RayWorkers.start(config, folder, config.ranks, config.ray_address)
