@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import time
@@ -17,32 +16,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from agl.train import CONF, ROOT, check_choices, train
-
-# A few small steps: enough to see every part work, not to learn.
-SMALL = [
-    "trainer.steps=2",
-    "trainer.groups_per_step=4",
-    "trainer.group_size=8",
-    "trainer.val_every=1",
-    "trainer.val_size=4",
-    "trainer.checkpoint_every=1",
-    "task.warmup_options.steps=30",
-    "logging.wandb=false",
-    "logging.progress=false",
-    "controller.concurrency=32",
-]
+from tests.train_runs import SMALL, one_line_error, recorded, run_train, trained_two_steps
 
 
 def _compose(overrides: list[str]):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="train", overrides=SMALL + overrides)
-
-
-def _recorded(run_dir: Path) -> list[dict]:
-    """The ``model_request`` events the gateway stored (read after the run stopped it)."""
-    with sqlite3.connect(run_dir / "gateway" / "gateway.db") as db:
-        rows = db.execute("SELECT data FROM events WHERE type = 'model_request'").fetchall()
-    return [json.loads(row[0]) for row in rows]
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -63,7 +42,7 @@ def test_a_short_run_trains_and_serves_the_new_weights(tmp_path: Path, mode: str
     assert len(lines) == len(history)
     assert (tmp_path / "config.yaml").exists()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-1] == "step-000002"
-    calls = _recorded(tmp_path)
+    calls = recorded(tmp_path)
     versions = {c["policy_version"] for c in calls}
     assert {0, 1, 2} <= versions  # the proxy served each new version after its update
     for call in calls:
@@ -75,22 +54,9 @@ def test_backend_verl_trains_through_verls_actor(tmp_path: Path) -> None:
     trains the module the embedded server serves. A subprocess: verl starts a process
     group, which must not outlive the test."""
     pytest.importorskip("verl", reason="backend=verl needs verl 0.9.1 (the README's test command)")
-    result = subprocess.run(
-        [sys.executable, "-m", "agl.train", *SMALL, "backend=verl", f"hydra.run.dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
+    result = run_train(tmp_path, "backend=verl")
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    steps = [row for row in rows if "reward/mean" in row]
-    assert [row["step"] for row in steps] == [1, 2]
-    assert all(row["train/tokens_trained"] > 0 for row in steps)
-    assert any(row["train/grad_norm"] > 0 for row in steps)
-    calls = _recorded(tmp_path)
-    assert {0, 1, 2} <= {c["policy_version"] for c in calls}
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-1] == "step-000002"
+    trained_two_steps(tmp_path)
 
 
 def test_resume_continues_without_recounting(tmp_path: Path) -> None:
@@ -206,78 +172,33 @@ def test_nothing_outlives_a_stopped_run(tmp_path: Path, how: signal.Signals) -> 
         time.sleep(0.1)
 
 
+def _taken_port() -> socket.socket:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    return taken
+
+
 def test_a_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
+    with _taken_port() as taken:
         port = taken.getsockname()[1]
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "agl.train",
-                *SMALL,
-                f"gateway.port={port}",
-                f"hydra.run.dir={tmp_path}",
-            ],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=120,
-        )
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
-        f"agl.train: gateway port {port} on 127.0.0.1 is in use"
-    )
+        error = one_line_error(tmp_path, f"gateway.port={port}")
+    assert error == f"agl.train: gateway port {port} on 127.0.0.1 is in use"
 
 
 def test_an_inference_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
+    with _taken_port() as taken:
         port = taken.getsockname()[1]
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "agl.train",
-                *SMALL,
-                f"inference.port={port}",
-                f"hydra.run.dir={tmp_path}",
-            ],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=120,
-        )
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    last = result.stderr.strip().splitlines()[-1]
+        error = one_line_error(tmp_path, f"inference.port={port}")
     expected = f"agl.train: inference=embedded: cannot serve the model on 127.0.0.1:{port}"
-    assert last.startswith(expected)
+    assert error.startswith(expected)
 
 
 def test_a_missing_vllm_is_a_one_line_error(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agl.train",
-            *SMALL,
-            "inference=vllm",
-            f"inference.python={tmp_path / 'no-vllm' / 'python'}",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
+    error = one_line_error(
+        tmp_path / "run", "inference=vllm", f"inference.python={tmp_path / 'no-vllm' / 'python'}"
     )
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("agl.train: inference=vllm: vLLM's python is not found; install")
+    assert error.startswith("agl.train: inference=vllm: vLLM's python is not found; install")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -314,7 +235,7 @@ def test_the_run_carries_on_when_its_gateway_is_killed(tmp_path: Path) -> None:
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["step"] for row in steps if "reward/mean" in row] == [1, 2, 3]
     assert all(row["samples"] > 0 for row in steps if "reward/mean" in row)
-    assert {c["policy_version"] for c in _recorded(tmp_path)} >= {0, 1, 2}
+    assert {c["policy_version"] for c in recorded(tmp_path)} >= {0, 1, 2}
 
 
 def _cmdline(pid: int) -> str:

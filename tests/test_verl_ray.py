@@ -18,10 +18,7 @@ module: starting them is most of the runtime. Skipped where verl or Ray is missi
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -34,7 +31,6 @@ pytest.importorskip("verl", reason="verl 0.9.1 is not installed: pip install --n
 pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[verl]'")
 pytest.importorskip("peft", reason="verl's FSDP engine imports peft: pip install -e '.[verl]'")
 
-import sqlite3
 
 import psutil
 import ray
@@ -47,33 +43,13 @@ from agl.backends.training.torch import TorchBackend, TorchBackendConfig
 from agl.backends.training.verl import VerlBackendConfig
 from agl.backends.training.verl_ray import RayVerlPolicy, start_ray
 from agl.core.registry import get
-from agl.train import ROOT
 from tests.test_verl_backend import CLIP_HIGH, CLIP_LOW, make_batch
+from tests.train_runs import run_train, trained_two_steps
 
 RANKS = 2
 # Marks every process this module's Ray starts (they inherit the environment), so the
 # leak check finds ours and not another engineer's Ray on the same machine.
 TAG = f"agl-test-verl-ray-{uuid.uuid4().hex[:8]}"
-# tests/test_train.py's SMALL: a few small steps, enough to see every part work.
-SMALL = [
-    "trainer.steps=2",
-    "trainer.groups_per_step=4",
-    "trainer.group_size=8",
-    "trainer.val_every=1",
-    "trainer.val_size=4",
-    "trainer.checkpoint_every=1",
-    "task.warmup_options.steps=30",
-    "logging.wandb=false",
-    "logging.progress=false",
-    "controller.concurrency=32",
-]
-
-
-def _recorded(run_dir: Path) -> list[dict]:
-    """The ``model_request`` events the gateway stored (as tests/test_train.py)."""
-    with sqlite3.connect(run_dir / "gateway" / "gateway.db") as db:
-        rows = db.execute("SELECT data FROM events WHERE type = 'model_request'").fetchall()
-    return [json.loads(row[0]) for row in rows]
 
 
 def _tagged(tag: str) -> list[psutil.Process]:
@@ -102,32 +78,11 @@ def test_agl_train_runs_verl_on_two_ray_ranks(tmp_path: Path) -> None:
     """``python -m agl.train backend=verl backend.ranks=2``: a subprocess (it starts its
     own Ray, which must be gone once it exits)."""
     tag = f"{TAG}-train"
-    env = {**os.environ, "AGL_RAY_TEST": tag}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agl.train",
-            *SMALL,
-            "backend=verl",
-            f"backend.ranks={RANKS}",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=900,
+    result = run_train(
+        tmp_path, "backend=verl", f"backend.ranks={RANKS}", env={"AGL_RAY_TEST": tag}, timeout=900
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    steps = [row for row in rows if "reward/mean" in row]
-    assert [row["step"] for row in steps] == [1, 2]
-    assert all(row["train/tokens_trained"] > 0 for row in steps)
-    assert any(row["train/grad_norm"] > 0 for row in steps)
-    calls = _recorded(tmp_path)
-    assert {0, 1, 2} <= {c["policy_version"] for c in calls}
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-1] == "step-000002"
+    steps = trained_two_steps(tmp_path)
     print("agl.train 2 ranks, train_s per step:", [round(r["time/train_s"], 2) for r in steps])
     left = _gone(tag)
     assert not left, f"Ray processes outlived agl.train: {[p.cmdline()[:2] for p in left]}"

@@ -44,6 +44,7 @@ from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.proxy import Router
 from agl.core.records import Rollout
 from agl.testing.processes import GatewayProcess, gateway_process
+from tests.train_runs import run_train, trained_two_steps
 
 log = logging.getLogger(__name__)
 
@@ -328,19 +329,6 @@ def test_attach_to_running_servers(served: Served) -> None:
 
 # ------------------------------------------------------------------- agl.train on vLLM
 
-TRAIN_SMALL = [
-    "trainer.steps=2",
-    "trainer.groups_per_step=4",
-    "trainer.group_size=8",
-    "trainer.val_every=2",
-    "trainer.val_size=4",
-    "trainer.checkpoint_every=1",
-    "task.warmup_options.steps=30",
-    "logging.wandb=false",
-    "logging.progress=false",
-    "controller.concurrency=32",
-]
-
 
 @pytest.mark.parametrize("backend", ["torch", "verl"])
 def test_agl_train_runs_on_vllm(tmp_path: Path, backend: str) -> None:
@@ -349,42 +337,15 @@ def test_agl_train_runs_on_vllm(tmp_path: Path, backend: str) -> None:
     of what vLLM sampled equal the recorded ones, so the served weights were the trained
     ones. ``backend=verl``: verl's FSDP2 engine trains the module vLLM is published from
     (the pairing of experiments/calc/gpu.yaml)."""
-    import json
-    import sqlite3
-    import subprocess
-
     python = find_vllm_python()
     if python is None:
         pytest.skip("vLLM is not installed: bash tests/vllm/install.sh (or set AGL_VLLM_PYTHON)")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agl.train",
-            *TRAIN_SMALL,
-            "inference=vllm",
-            f"inference.python={python}",
-            f"backend={backend}",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parent.parent,
-        timeout=900,
+    result = run_train(
+        tmp_path, "inference=vllm", f"inference.python={python}", f"backend={backend}", timeout=900
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    steps = [row for row in rows if "reward/mean" in row]
-    assert [row["step"] for row in steps] == [1, 2]
-    for row in steps:
-        assert row["train/tokens_trained"] > 0
+    for row in trained_two_steps(tmp_path):
         assert row["calls/invalid"] == 0
         if backend == "torch":
             assert row["train/logprob_mismatch"] < LOGPROB_TOL
-    with sqlite3.connect(tmp_path / "gateway" / "gateway.db") as db:
-        calls = [
-            json.loads(d)
-            for (d,) in db.execute("SELECT data FROM events WHERE type = 'model_request'")
-        ]
-    assert {0, 1, 2} <= {c["policy_version"] for c in calls}
     assert (tmp_path / "vllm" / "replica-0.log").exists()

@@ -34,7 +34,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -713,45 +713,26 @@ class ChatServer:
             "created": int(time.time()),
             "model": self.model_name,
         }
-
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                role = [
-                    {
-                        "index": o.index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    for o in outputs
-                ]
-                opening = {**head, "choices": role}
-                if chat.want_token_ids:
-                    opening["prompt_token_ids"] = prompt_ids
-                yield _sse(opening)
-                batch: list | None = first
-                while batch is not None:
-                    # One choice per chunk, as vLLM streams: clients read ``choices[0]``
-                    # only, so a chunk holding a choice's last tokens and then its
-                    # finish_reason would hide the end (Qwen Code, OpenCode never saw it).
-                    for delta in batch:
-                        for choice in self._step(chat, generation, outputs, delta):
-                            yield _sse({**head, "choices": [choice]})
-                    batch = await anext(deltas, None)
-                if chat.include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(prompt_ids, outputs)})
-                yield b"data: [DONE]\n\n"
-            except EngineError as error:
-                # No [DONE]: a proxy must see a broken stream, not a short answer.
-                yield _stream_error(error)
-            finally:
-                if not generation.finished:  # the client went away
-                    generation.cancel()
-
-        return StreamingResponse(
-            events(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", **_version_header(generation)},
+        role = [
+            {
+                "index": o.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for o in outputs
+        ]
+        opening = {**head, "choices": role}
+        if chat.want_token_ids:
+            opening["prompt_token_ids"] = prompt_ids
+        return _event_stream(
+            generation,
+            deltas,
+            first,
+            head,
+            lambda delta: self._step(chat, generation, outputs, delta),
+            (lambda: _usage(prompt_ids, outputs)) if chat.include_usage else None,
+            opening,
         )
 
     def _step(
@@ -842,17 +823,17 @@ class ChatServer:
         offsets = [0] * len(outputs)  # text_offset of each choice's next token
         opened = [False] * len(outputs)  # each choice's first chunk carries the prompt ids
 
-        def step(delta: Any) -> dict[str, Any] | None:
+        def step(delta: Any) -> list[dict[str, Any]]:
             out = outputs[delta.index]
             if out.finish_reason:
-                return None
+                return []
             before = len(out.token_ids)
             if out.add(delta.token_ids, delta.logprobs, delta.finish_reason):
                 generation.cancel(delta.index)
             new_ids = out.token_ids[before:]
             new_text = out.take_text()
             if not (new_ids or new_text or out.finish_reason):
-                return None
+                return []
             choice: dict[str, Any] = {
                 "index": out.index,
                 "text": new_text,
@@ -869,29 +850,15 @@ class ChatServer:
                     choice["prompt_token_ids"] = prompt_ids
                 choice["token_ids"] = new_ids
             opened[out.index] = True
-            return choice
+            return [choice]
 
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                batch: list | None = first
-                while batch is not None:
-                    for delta in batch:  # one choice per chunk, as vLLM streams
-                        if (choice := step(delta)) is not None:
-                            yield _sse({**head, "choices": [choice]})
-                    batch = await anext(deltas, None)
-                if text.include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(prompt_ids, outputs)})
-                yield b"data: [DONE]\n\n"
-            except EngineError as error:
-                yield _stream_error(error)  # no [DONE]: a proxy must see a broken stream
-            finally:
-                if not generation.finished:
-                    generation.cancel()
-
-        return StreamingResponse(
-            events(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", **_version_header(generation)},
+        return _event_stream(
+            generation,
+            deltas,
+            first,
+            head,
+            step,
+            (lambda: _usage(prompt_ids, outputs)) if text.include_usage else None,
         )
 
     def _text_logprobs(
@@ -980,6 +947,50 @@ def _version_header(generation: Generation) -> dict[str, str]:
 def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(
         orjson.dumps(payload), status_code=status, media_type="application/json", headers=headers
+    )
+
+
+def _event_stream(
+    generation: Generation,
+    deltas: AsyncIterator[list[Delta]],
+    first: list[Delta] | None,
+    head: dict[str, Any],
+    choices: Callable[[Any], list[dict[str, Any]]],
+    usage: Callable[[], dict[str, Any]] | None,
+    opening: dict[str, Any] | None = None,
+) -> StreamingResponse:
+    """The event stream of a generation, chat or text: ``opening``, then each engine
+    delta's ``choices`` one per chunk, the usage chunk if asked, ``[DONE]``.
+
+    One choice per chunk, as vLLM streams: clients read ``choices[0]`` only, so a chunk
+    holding a choice's last tokens and then its finish_reason would hide the end (Qwen
+    Code, OpenCode never saw it). An engine error ends the stream without ``[DONE]``: a
+    proxy must see a broken stream, not a short answer.
+    """
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            if opening is not None:
+                yield _sse(opening)
+            batch = first
+            while batch is not None:
+                for delta in batch:
+                    for choice in choices(delta):
+                        yield _sse({**head, "choices": [choice]})
+                batch = await anext(deltas, None)
+            if usage is not None:
+                yield _sse({**head, "choices": [], "usage": usage()})
+            yield b"data: [DONE]\n\n"
+        except EngineError as error:
+            yield _stream_error(error)
+        finally:
+            if not generation.finished:  # the client went away
+                generation.cancel()
+
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", **_version_header(generation)},
     )
 
 
