@@ -6,7 +6,10 @@ import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import anthropic
+import openai
 import pytest
 
 from agl.core.client import GatewayClient, proxy_base_url
@@ -70,6 +73,36 @@ def running(admin: GatewayClient) -> Callable[..., Rollout]:
 
 def base_url(gateway: GatewayProcess, rollout: Rollout) -> str:
     return proxy_base_url(gateway.url, rollout.rollout_id, rollout.attempt, rollout.mode)
+
+
+def proxy_root(gateway: GatewayProcess, rollout: Rollout) -> str:
+    """The attempt's proxy prefix, above its ``/openai`` and ``/anthropic`` surfaces."""
+    return base_url(gateway, rollout).removesuffix("/openai/v1")
+
+
+def agent(gateway: GatewayProcess, rollout: Rollout, **kwargs: Any) -> openai.OpenAI:
+    """The ``openai`` client a harness of this attempt would use (no retries)."""
+    return openai.OpenAI(
+        base_url=base_url(gateway, rollout), api_key=rollout.attempt_key, max_retries=0, **kwargs
+    )
+
+
+def anthropic_agent(
+    gateway: GatewayProcess, rollout: Rollout, key: str | None = None
+) -> anthropic.Anthropic:
+    """The ``anthropic`` client a harness of this attempt would use (no retries)."""
+    return anthropic.Anthropic(
+        base_url=proxy_root(gateway, rollout) + "/anthropic",
+        api_key=key or rollout.attempt_key,
+        max_retries=0,
+    )
+
+
+def model_requests(
+    admin: GatewayClient, rollout: Rollout, type: str = "model_request"
+) -> list[dict[str, Any]]:
+    """The data of the attempt's recorded calls (``type``: or its failed ones)."""
+    return [e.data for e in admin.get_events(rollout.rollout_id, type=type)]
 
 
 @pytest.fixture

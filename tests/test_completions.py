@@ -29,24 +29,9 @@ from agl.core.registry import get
 from agl.testing.fake_vllm import EOS, FakeVllm, completion_for, encode, logprob, prompt_ids
 from agl.testing.processes import GatewayProcess, gateway_process, serve_process
 from agl.ui.views import timeline
+from tests.conftest import agent, anthropic_agent, model_requests
 
 PROMPT = "The capital of France is"
-
-
-def proxy_root(gateway: GatewayProcess, r: Rollout) -> str:
-    return f"{gateway.url}/proxy/rollout/{r.rollout_id}/attempt/{r.attempt}/mode/{r.mode}"
-
-
-def openai_client(gateway: GatewayProcess, r: Rollout) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=proxy_root(gateway, r) + "/openai/v1", api_key=r.attempt_key, max_retries=0
-    )
-
-
-def anthropic_client(gateway: GatewayProcess, r: Rollout) -> anthropic.Anthropic:
-    return anthropic.Anthropic(
-        base_url=proxy_root(gateway, r) + "/anthropic", api_key=r.attempt_key, max_retries=0
-    )
 
 
 def complete(client: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[str, str | None, Any]:
@@ -67,10 +52,6 @@ def complete(client: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[str, s
     return "".join(texts), finish, token_logprobs or None
 
 
-def calls(admin: GatewayClient, r: Rollout) -> list[dict[str, Any]]:
-    return [e.data for e in admin.get_events(r.rollout_id, type="model_request")]
-
-
 # --- over fake vLLM ----------------------------------------------------------------------
 
 
@@ -84,12 +65,12 @@ def test_a_text_completion_is_recorded_like_a_chat_call(
 ) -> None:
     r = running()
     text, finish, logprobs = complete(
-        openai_client(gateway, r), stream, model="any", prompt=PROMPT, max_tokens=100
+        agent(gateway, r), stream, model="any", prompt=PROMPT, max_tokens=100
     )
     assert (text, finish, logprobs) == (completion_for(PROMPT), "stop", None)
     (forwarded,) = fake.requests
     assert forwarded["logprobs"] == 0 and forwarded["return_token_ids"] is True
-    (call,) = calls(admin, r)
+    (call,) = model_requests(admin, r)
     assert call["api"] == "completions" and call["prompt"] == PROMPT
     assert "messages" not in call and call["response"] == text
     assert call["prompt_ids"] == encode(PROMPT)
@@ -102,7 +83,7 @@ def test_the_viewer_shows_a_text_completions_prompt(
     gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout], fake: FakeVllm
 ) -> None:
     r = running()
-    text, _, _ = complete(openai_client(gateway, r), False, model="any", prompt=PROMPT)
+    text, _, _ = complete(agent(gateway, r), False, model="any", prompt=PROMPT)
     events = admin.get_events(r.rollout_id)
     (item,) = [i for i in timeline(events) if i.kind == "call"]
     assert [(m.role, m.text) for m in item.messages] == [("prompt", PROMPT)]
@@ -117,7 +98,7 @@ def test_logprobs_the_harness_asks_for_reach_it(
     stream: bool,
 ) -> None:
     r = running()
-    client = openai_client(gateway, r)
+    client = agent(gateway, r)
     text, _, logprobs = complete(client, stream, model="m", prompt="x", logprobs=2, max_tokens=50)
     assert fake.requests[-1]["logprobs"] == 2  # what the harness asked, not less
     values = logprobs if stream else logprobs.token_logprobs
@@ -134,9 +115,9 @@ def test_a_token_id_prompt_continues_one_sample(
     two calls: the trainer reads them as it reads chat calls, and prefix merging sees the
     second prompt extend the first exactly."""
     r = running()
-    client = openai_client(gateway, r)
+    client = agent(gateway, r)
     client.completions.create(model="m", prompt=PROMPT, max_tokens=100)
-    (first,) = calls(admin, r)
+    (first,) = model_requests(admin, r)
     follow = [*first["prompt_ids"], *first["response_ids"], *encode(" and")]
     client.completions.create(model="m", prompt=follow, max_tokens=8)
     events = admin.get_events(r.rollout_id, type="model_request")
@@ -156,7 +137,7 @@ def test_completions_errors_are_openai_errors(
     fake: FakeVllm,
 ) -> None:
     r = running()
-    client = openai_client(gateway, r)
+    client = agent(gateway, r)
     with pytest.raises(openai.BadRequestError) as echo:
         client.completions.create(model="m", prompt="hi", echo=True)
     assert "echo" in echo.value.body["message"]
@@ -175,7 +156,7 @@ def test_completions_errors_are_openai_errors(
     admin.patch_rollout(r.rollout_id, "succeeded", attempt=r.attempt)
     with pytest.raises(openai.ConflictError):
         client.completions.create(model="m", prompt="hi")
-    assert calls(admin, r) == []
+    assert model_requests(admin, r) == []
 
 
 def test_count_tokens_counts_the_translated_prompt(
@@ -191,21 +172,21 @@ def test_count_tokens_counts_the_translated_prompt(
         "messages": [{"role": "user", "content": "hello"}],
         "tools": [{"name": "search", "input_schema": {"type": "object"}}],
     }
-    counted = anthropic_client(gateway, r).messages.count_tokens(**body)
+    counted = anthropic_agent(gateway, r).messages.count_tokens(**body)
     chat = ANTHROPIC.count_tokens_request(body)
     assert counted.input_tokens == len(prompt_ids(chat["messages"]))
     (asked,) = fake.requests
     assert asked["messages"] == chat["messages"] and asked["add_generation_prompt"] is True
     assert asked["tools"] == chat["tools"] and asked["model"] == "policy"
-    assert calls(admin, r) == []  # nothing sampled, nothing recorded
+    assert model_requests(admin, r) == []  # nothing sampled, nothing recorded
     with pytest.raises(anthropic.BadRequestError) as bad:
-        anthropic_client(gateway, r).messages.count_tokens(
+        anthropic_agent(gateway, r).messages.count_tokens(
             model="m", messages=[{"role": "robot", "content": "x"}]
         )
     assert bad.value.body["type"] == "error"
     fake.fail_next = [404]
     with pytest.raises(anthropic.NotFoundError) as missing:
-        anthropic_client(gateway, r).messages.count_tokens(
+        anthropic_agent(gateway, r).messages.count_tokens(
             model="m", messages=[{"role": "user", "content": "x"}]
         )
     assert "/tokenize" in missing.value.body["error"]["message"]
@@ -263,12 +244,12 @@ def test_tiny_model_text_completions_are_trainable(
     tiny: Tiny, tiny_admin: GatewayClient, stream: bool
 ) -> None:
     r = start(tiny_admin)
-    client = openai_client(tiny.gateway, r)
+    client = agent(tiny.gateway, r)
     text, finish, logprobs = complete(
         client, stream, model="gpt-x", prompt=PROMPT, max_tokens=24, seed=7, logprobs=0
     )
     assert finish in ("stop", "length")
-    (call,) = calls(tiny_admin, r)
+    (call,) = model_requests(tiny_admin, r)
     assert call["api"] == "completions" and call["prompt"] == PROMPT
     assert call["prompt_ids"] == tiny.tokenizer.encode(PROMPT)
     assert tiny.text(call["response_ids"]) == text == call["response"]
@@ -289,7 +270,7 @@ def test_tiny_model_count_tokens_is_the_messages_prompt(
     """count_tokens answers the length of the prompt the same messages call is sampled
     from, tools and system included."""
     r = start(tiny_admin)
-    client = anthropic_client(tiny.gateway, r)
+    client = anthropic_agent(tiny.gateway, r)
     body: dict[str, Any] = {
         "model": "claude-x",
         "system": "be brief",
@@ -304,7 +285,7 @@ def test_tiny_model_count_tokens_is_the_messages_prompt(
     }
     counted = client.messages.count_tokens(**body)
     client.messages.create(max_tokens=4, **body)
-    (call,) = calls(tiny_admin, r)
+    (call,) = model_requests(tiny_admin, r)
     assert counted.input_tokens == len(call["prompt_ids"]) > 0
 
 

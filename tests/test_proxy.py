@@ -13,24 +13,14 @@ from agl.core.client import GatewayClient
 from agl.core.records import Rollout
 from agl.testing.fake_vllm import EOS, FakeVllm, encode, logprob, prompt_ids, reply_for
 from agl.testing.processes import GatewayProcess
-from tests.conftest import base_url
+from tests.conftest import agent, base_url, model_requests
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-
-
-def agent(gateway: GatewayProcess, r: Rollout, **kwargs: object) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=base_url(gateway, r), api_key=r.attempt_key, max_retries=0, **kwargs
-    )
 
 
 def expected_call(messages: list[dict[str, str]]) -> tuple[list[int], list[int], list[float]]:
     response = [*encode(reply_for(messages)), EOS]
     return prompt_ids(messages), response, [logprob(i) for i in range(len(response))]
-
-
-def model_requests(admin: GatewayClient, r: Rollout, type: str = "model_request") -> list[dict]:
-    return [e.data for e in admin.get_events(r.rollout_id, type=type)]
 
 
 def test_chat_is_forwarded_and_recorded(

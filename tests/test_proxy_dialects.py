@@ -15,32 +15,9 @@ from agl.core.client import GatewayClient
 from agl.core.records import Rollout
 from agl.testing.fake_vllm import EOS, FakeVllm, encode, reply_for
 from agl.testing.processes import GatewayProcess
+from tests.conftest import agent, anthropic_agent, model_requests, proxy_root
 
 TOOL_ARGS = '{"query":"weather"}'
-
-
-def proxy_root(gateway: GatewayProcess, r: Rollout) -> str:
-    return f"{gateway.url}/proxy/rollout/{r.rollout_id}/attempt/{r.attempt}/mode/{r.mode}"
-
-
-def responses_client(gateway: GatewayProcess, r: Rollout) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=proxy_root(gateway, r) + "/openai/v1", api_key=r.attempt_key, max_retries=0
-    )
-
-
-def messages_client(
-    gateway: GatewayProcess, r: Rollout, key: str | None = None
-) -> anthropic.Anthropic:
-    return anthropic.Anthropic(
-        base_url=proxy_root(gateway, r) + "/anthropic",
-        api_key=key or r.attempt_key,
-        max_retries=0,
-    )
-
-
-def recorded(admin: GatewayClient, r: Rollout) -> list[dict]:
-    return [e.data for e in admin.get_events(r.rollout_id, type="model_request")]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
@@ -52,7 +29,7 @@ def test_responses_text(
     stream: bool,
 ) -> None:
     r = running()
-    client = responses_client(gateway, r)
+    client = agent(gateway, r)
     kwargs = {"model": "gpt-x", "instructions": "be brief", "input": "hello"}
     if stream:
         with client.responses.stream(**kwargs) as events:
@@ -64,7 +41,7 @@ def test_responses_text(
         response = client.responses.create(**kwargs)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     assert response.output_text == reply_for(messages)
-    (call,) = recorded(admin, r)
+    (call,) = model_requests(admin, r)
     assert call["api"] == "responses" and call["messages"] == messages
     assert call["response_ids"] == [*encode(reply_for(messages)), EOS]
 
@@ -78,7 +55,7 @@ def test_responses_function_call_round_trip(
     stream: bool,
 ) -> None:
     r = running()
-    client = responses_client(gateway, r)
+    client = agent(gateway, r)
     tools = [
         {
             "type": "function",
@@ -110,7 +87,7 @@ def test_responses_function_call_round_trip(
         ],
     )
     assert second.output_text
-    first_record, second_record = recorded(admin, r)
+    first_record, second_record = model_requests(admin, r)
     assert first_record["tool_calls"][0]["function"]["arguments"] == TOOL_ARGS
     tool_message = second_record["messages"][-1]
     assert tool_message == {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}
@@ -126,7 +103,7 @@ def test_messages_text_and_tool_use(
     stream: bool,
 ) -> None:
     r = running()
-    client = messages_client(gateway, r)
+    client = anthropic_agent(gateway, r)
     tools = [
         {
             "name": "search",
@@ -164,7 +141,7 @@ def test_messages_text_and_tool_use(
     )
     assert answer.stop_reason == "end_turn"
     assert "".join(b.text for b in answer.content if b.type == "text")
-    first, second = recorded(admin, r)
+    first, second = model_requests(admin, r)
     assert first["api"] == "anthropic" and first["messages"][0] == {
         "role": "system",
         "content": "be brief",
@@ -181,12 +158,12 @@ def test_errors_come_in_the_api_the_harness_spoke(
 ) -> None:
     r = running()
     with pytest.raises(anthropic.AuthenticationError) as bad_key:
-        messages_client(gateway, r, key="not-a-key").messages.create(
+        anthropic_agent(gateway, r, key="not-a-key").messages.create(
             model="m", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
         )
     assert bad_key.value.body["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.BadRequestError) as untranslatable:
-        messages_client(gateway, r).messages.create(
+        anthropic_agent(gateway, r).messages.create(
             model="m",
             max_tokens=5,
             messages=[
@@ -211,14 +188,14 @@ def test_errors_come_in_the_api_the_harness_spoke(
     assert not_json.json()["error"]["type"] == "invalid_request_error"
     fake.fail_next = [500] * 10
     with pytest.raises(openai.InternalServerError):
-        responses_client(gateway, r).responses.create(model="m", input="hi")
+        agent(gateway, r).responses.create(model="m", input="hi")
     failed = admin.get_events(r.rollout_id, type="model_request_failed")
     assert [f.data["status"] for f in failed] == [500]
     fake.fail_next.clear()
     admin.patch_rollout(r.rollout_id, "succeeded", attempt=r.attempt)
     with pytest.raises(anthropic.APIStatusError) as ended:
-        messages_client(gateway, r).messages.create(
+        anthropic_agent(gateway, r).messages.create(
             model="m", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
         )
     assert ended.value.status_code == 409 and ended.value.body["type"] == "error"
-    assert recorded(admin, r) == []
+    assert model_requests(admin, r) == []
