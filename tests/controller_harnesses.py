@@ -86,6 +86,9 @@ async def by_input(env: Mapping[str, str]) -> None:
     if do == "finish" or (do == "lucky" and agent.attempt >= 2):
         print(f"rollout {agent.rollout_id} done")  # lands in the worker log
         await agent.finish(reward=float(agent.input.get("reward", 1.0)), http=shared_http())
+    elif do == "lucky":
+        # The agent could not reach its gateway: the infrastructure's failure, retried.
+        raise ConnectionRefusedError("[Errno 111] Connection refused")
     elif do == "raise":
         await raises(env)
     elif do == "hang":

@@ -199,6 +199,7 @@ def test_every_strategy_has_a_yaml_of_its_name_and_back() -> None:
             extra = {k: v for k, v in options.items() if k != "name"}
             get(kind, name)  # options are keyword arguments of the strategy
             if kind == "advantage":
-                assert get(kind, name)([sample("r", 1)], {"r": 1.0}, **extra) == pytest.approx(
-                    [1.0], rel=1e-5
+                won, lost = get(kind, name)(
+                    [sample("r", 1), sample("s", 1)], {"r": 1.0, "s": 0.0}, **extra
                 )
+                assert won == pytest.approx(-lost) and won > 0

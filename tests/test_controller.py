@@ -28,6 +28,7 @@ from agl.agent import AgentContext
 from agl.backends.execution.local import LocalExecutor, LocalExecutorConfig
 from agl.core.client import AsyncGatewayClient, GatewayClient
 from agl.core.controller import LOST, NO_STATUS, ORPHANED, STOPPED, Controller, Exit, Launch
+from agl.core.failures import failure_cause
 from agl.core.records import Rollout, Status
 from agl.testing.processes import GatewayProcess, free_port, gateway_process
 
@@ -50,10 +51,12 @@ def specs(group: str, inputs: list[dict[str, Any]], **spec: Any) -> list[dict[st
 
 
 def final(r: Rollout) -> bool:
-    """Terminal for good: succeeded, or failed with no attempt left."""
-    return r.status is Status.SUCCEEDED or (
-        r.status is Status.FAILED and r.attempt == r.max_attempts
-    )
+    """Terminal for good: succeeded, failed by its agent (never retried), or failed with
+    no attempt left."""
+    if r.status is not Status.FAILED:
+        return r.status is Status.SUCCEEDED
+    cause = failure_cause(r.status, r.error, has_reward=False)
+    return r.attempt == r.max_attempts or (cause is not None and cause.agent)
 
 
 async def wait_until(check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 30.0) -> None:
@@ -152,8 +155,10 @@ def test_python_harness_runs_every_rollout(gateway: GatewayProcess, tmp_path: Pa
 
 
 def test_failures_retries_and_stats(gateway: GatewayProcess, tmp_path: Path) -> None:
-    """No status, raise, hang, lucky-on-the-second-attempt: failed with the right reason,
-    re-queued while attempts remain, final after ``max_attempts``, each counted."""
+    """No status, raise, hang: the agent's failures, final at once with their reason (a
+    learning signal, not retried). Lucky-on-the-second-attempt: the gateway unreachable
+    on the first, an infrastructure failure, re-queued while attempts remain. Each
+    counted."""
     group = new_group()
     plan = [  # (input, max_attempts, timeout_s)
         ({"do": "finish"}, 1, None),
@@ -178,22 +183,23 @@ def test_failures_retries_and_stats(gateway: GatewayProcess, tmp_path: Path) -> 
             ok, none1, none2, raised, hung, lucky1, lucky2 = rollouts
             assert (ok.status, ok.attempt) == (Status.SUCCEEDED, 1)
             for r in (none1, none2):
-                assert (r.status, r.attempt, r.error) == (Status.FAILED, 2, NO_STATUS)
+                assert (r.status, r.attempt, r.error) == (Status.FAILED, 1, NO_STATUS)
             assert (raised.status, raised.error) == (Status.FAILED, "ValueError: the input is bad")
-            assert (hung.status, hung.attempt) == (Status.FAILED, 2)
+            assert (hung.status, hung.attempt) == (Status.FAILED, 1)
             # The gateway's own timeout sweep may fail it a moment before the worker does.
             assert hung.error in ("timed out after 1 s", "attempt timed out")
             for r in (lucky1, lucky2):
                 assert (r.status, r.attempt) == (Status.SUCCEEDED, 2)
             keys = await seen_keys(client, [ok, none1, none2, lucky1, lucky2])
-            assert len(keys) == len(set(keys)) == 1 + 2 + 2 + 2 + 2  # one key per attempt
+            assert len(keys) == len(set(keys)) == 1 + 1 + 1 + 2 + 2  # one key per attempt
             expected = {
-                "launched": 1 + 2 + 2 + 1 + 2 + 2 + 2,
+                "launched": 1 + 1 + 1 + 1 + 1 + 2 + 2,
                 "exited_ok": 3,
-                "exited_without_status": 2 + 2 + 1 + 1,
-                "agent_failed": 1 + 2,
-                "requeued": 1 + 1 + 1 + 1 + 1,
+                "exited_without_status": 1 + 1,
+                "agent_failed": 1 + 1 + 1 + 1,  # raised, hung, both lucky first attempts
+                "requeued": 1 + 1,
                 "given_up": 1 + 1 + 1 + 1,
+                "agent_final": 1 + 1 + 1,  # none, none, hung: attempts left, not retried
                 "lost": 0,
                 "orphans_stopped": 0,
             }

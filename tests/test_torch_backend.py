@@ -22,7 +22,7 @@ from agl.backends.training.torch import (
 from agl.backends.training.tree import additive_mask, linear_parents, token_logprobs
 from agl.core.calls import dedup
 from agl.core.registry import get
-from agl.core.types import ModelCall, Sample
+from agl.core.types import ModelCall, Sample, Sampling
 from tests.toy_traces import traces
 
 VOCAB_SIZE = 64
@@ -31,6 +31,7 @@ METRICS = {
     "entropy",
     "clip_fraction",
     "kl_behaviour",
+    "kl_reference",
     "logprob_mismatch",
     "ratio_mean",
     "grad_norm",
@@ -283,10 +284,20 @@ def test_clipped_tokens_contribute_no_gradient(
     samples, advantages = clip_case(base)
     config = TorchBackendConfig(lr=1e-3, grad_clip=0.0)
 
-    def grads(token_scale: list[list[float]] | None) -> tuple[dict[str, torch.Tensor], dict]:
+    def grads(keep: list[list[int]] | None) -> tuple[dict[str, torch.Tensor], dict]:
         backend = TorchBackend(copy.deepcopy(base), config)
         seen = capture_grads(backend)
-        metrics = backend.train(samples, advantages, unit_weights, token_scale)
+        batch = (
+            samples
+            if keep is None
+            else [
+                dataclasses.replace(
+                    s, action_mask=[a * k for a, k in zip(s.action_mask, row, strict=True)]
+                )
+                for s, row in zip(samples, keep, strict=True)
+            ]
+        )
+        metrics = backend.train(batch, advantages, unit_weights)
         (grad,) = seen
         return grad, metrics
 
@@ -352,38 +363,22 @@ def test_bandit_raises_the_probability_of_the_rewarded_token() -> None:
     assert not model.training  # the engine's eval mode is restored
 
 
-# --- 5. token_scale ------------------------------------------------------------------------
+# --- 5. nothing to train -----------------------------------------------------------------
 
 
-def test_zero_token_scale_leaves_the_weights_alone() -> None:
+def test_a_batch_without_action_tokens_leaves_the_weights_alone() -> None:
     model = make_model(seed=2)
     rng = random.Random(1)
-    samples = random_batch(rng, rollouts=3)
+    samples = [
+        dataclasses.replace(s, action_mask=[0] * len(s.tokens))
+        for s in random_batch(rng, rollouts=3)
+    ]
     before = params_of(model)
     backend = TorchBackend(model, TorchBackendConfig(lr=1e-1, weight_decay=0.1))
-    zeros = [[0.0] * len(s.tokens) for s in samples]
-    metrics = backend.train(samples, [1.0] * len(samples), token_mean, zeros)
+    metrics = backend.train(samples, [1.0] * len(samples), unit_weights)
     assert metrics["tokens_trained"] == 0
     assert metrics["tokens_computed"] == 0
     assert_params_close(before, params_of(model), atol=0.0)
-
-
-def test_token_scale_scales_the_loss(
-    capture_grads: Callable[[TorchBackend], list[dict[str, torch.Tensor]]],
-) -> None:
-    base = make_model(seed=4)
-    samples = random_batch(random.Random(2), rollouts=2)
-    config = TorchBackendConfig(grad_clip=0.0)
-    grads = []
-    for scale in (1.0, 0.5):
-        backend = TorchBackend(copy.deepcopy(base), config)
-        seen = capture_grads(backend)
-        backend.train(
-            samples, [1.0] * len(samples), token_mean, [[scale] * len(s) for s in samples]
-        )
-        grads.append(seen[0])
-    full, half = grads
-    assert_params_close({k: 0.5 * v for k, v in full.items()}, half, atol=1e-7)
 
 
 # --- 6. checkpoints ------------------------------------------------------------------------
@@ -422,10 +417,8 @@ def test_bad_inputs_raise_value_errors() -> None:
         backend.train([sample], [1.0, 2.0], token_mean)
     with pytest.raises(ValueError, match="advantages must be finite"):
         backend.train([sample], [float("nan")], token_mean)
-    with pytest.raises(ValueError, match="one list per sample"):
-        backend.train([sample], [1.0], token_mean, [])
-    with pytest.raises(ValueError, match=r"token_scale\[0\] has 3 values for 4 tokens"):
-        backend.train([sample], [1.0], token_mean, [[1.0, 1.0, 1.0]])
+    with pytest.raises(ValueError, match="3 sampling for 4 tokens"):
+        backend.train([dataclasses.replace(sample, sampling=[Sampling()] * 3)], [1.0], token_mean)
     with pytest.raises(ValueError, match="token ids must be in"):
         backend.train([linear([1], [VOCAB_SIZE], "r")], [1.0], token_mean)
     with pytest.raises(ValueError, match="3 logprobs for 4 tokens"):

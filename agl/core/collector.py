@@ -1,9 +1,10 @@
 """Watches submitted rollouts through the gateway until each is final, then reads its calls
 and reward: the trainer's view of the rollout side.
 
-A rollout is *final* when it succeeded, or failed with no attempt left (a failed rollout
-with attempts left is about to be re-queued by the controller, so it is still pending).
-A group is *complete* when all its rollouts are final.
+A rollout is *final* when it succeeded, or failed for a cause of the agent's, or failed
+with no attempt left (a rollout failed by the infrastructure with attempts left is about
+to be re-queued by the controller, so it is still pending: ``agl.core.failures``, the
+rule the controller retries by). A group is *complete* when all its rollouts are final.
 
 Per poll: one paged list of the non-final rollouts (bounded by what is in flight), then a
 GET of each submitted rollout that left that list, and the events of those that are final.
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from agl.core.assemble import FinishedRollout
 from agl.core.calls import read_calls
 from agl.core.client import AsyncGatewayClient
+from agl.core.failures import attempt_cause, is_final
 from agl.core.records import Event, Rollout, RolloutSpec, Status
 
 log = logging.getLogger(__name__)
@@ -107,13 +110,14 @@ class Collector:
         active = await self._active_ids()
         left = [rid for rid in self._pending if rid not in active]
         rollouts = await asyncio.gather(*(self.client.get_rollout(rid) for rid in left))
-        final = [r for r in rollouts if _is_final(r)]
+        ended = [r for r in rollouts if r.status in (Status.SUCCEEDED, Status.FAILED)]
         events = await asyncio.gather(
-            *(self.client.get_events(r.rollout_id, attempt=r.attempt) for r in final)
+            *(self.client.get_events(r.rollout_id, attempt=r.attempt) for r in ended)
         )
-        for rollout, evs in zip(final, events, strict=True):
-            self._finish(rollout, evs)
-        return len(final)
+        finished = 0
+        for rollout, evs in zip(ended, events, strict=True):
+            finished += self._finish(rollout, evs)
+        return finished
 
     async def wait(self, done: Callable[[], bool], timeout_s: float | None = None) -> None:
         """Poll until ``done()`` is true."""
@@ -128,16 +132,19 @@ class Collector:
         active = await self.client.list_rollouts(status=_ACTIVE, page_size=1000)
         return {r.rollout_id for r in active}
 
-    def _finish(self, rollout: Rollout, events: list[Event]) -> None:
+    def _finish(self, rollout: Rollout, events: list[Event]) -> bool:
+        """Take an ended rollout if it is final; answers whether it was."""
         rid = rollout.rollout_id
         if rid not in self._pending:
-            return
-        self._pending.discard(rid)
+            return False
         rewards = [e for e in events if e.type == "reward"]
-        reward = None
+        reward, metrics = None, {}
         if rewards:
-            value = max(rewards, key=lambda e: e.sequence).data
-            reward = _reward_value(value)
+            reward, metrics = _reward_value(max(rewards, key=lambda e: e.sequence).data)
+        cause = attempt_cause(rollout, events, has_reward=reward is not None)
+        if not is_final(rollout, cause):
+            return False
+        self._pending.discard(rid)
         read = read_calls(events, self.decode)
         finished = FinishedRollout(
             rollout_id=rid,
@@ -148,21 +155,27 @@ class Collector:
             calls=read.calls,
             error=rollout.error,
             invalid_calls=dict(read.invalid),
+            cause=cause,
+            metrics=metrics,
         )
         group = self.groups[self._group_of[rid]]
         group.finished[rid] = finished
         if group.complete:
             self._completed.append(group.group_id)
-
-
-def _is_final(rollout: Rollout) -> bool:
-    if rollout.status is Status.SUCCEEDED:
         return True
-    return rollout.status is Status.FAILED and rollout.attempt >= rollout.max_attempts
 
 
-def _reward_value(data: object) -> float | None:
-    if isinstance(data, dict) and isinstance(data.get("value"), int | float):
-        return float(data["value"])
-    log.warning("ignoring a malformed reward event: %r", data)
-    return None
+def _reward_value(data: object) -> tuple[float | None, dict[str, float]]:
+    """A reward event's value, and the task metrics it carries (``data["metrics"]``)."""
+    value = data.get("value") if isinstance(data, dict) else None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        log.warning("ignoring a malformed reward event: %.200r", data)
+        return None, {}
+    metrics = data.get("metrics") if isinstance(data, dict) else None
+    if not isinstance(metrics, dict):
+        return float(value), {}
+    return float(value), {
+        str(k): float(v)
+        for k, v in metrics.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    }

@@ -5,7 +5,9 @@ Each pass (``Controller.step``):
 
 1. settles the attempts that ended: a rollout still ``running`` at that attempt is
    failed with the exit's reason (or "agent exited without reporting a status"); a
-   ``failed`` attempt is re-queued while attempts remain;
+   ``failed`` attempt is re-queued while attempts remain if the infrastructure failed it
+   (``agl.core.failures``: worker died, upstream down, ...); one its agent failed is final,
+   a learning signal the trainer scores;
 2. starts ``queuing`` rollouts, oldest first, as many as the executor has free slots:
    PATCH ``running`` at the listed attempt (a 409 means someone else moved it), then
    launch with the attempt key from the answered record.
@@ -46,6 +48,7 @@ import httpx
 
 from agl.agent import AgentContext
 from agl.core.client import AsyncGatewayClient, GatewayError
+from agl.core.failures import attempt_cause
 from agl.core.records import Rollout, Status
 
 log = logging.getLogger(__name__)
@@ -121,6 +124,7 @@ class ControllerStats:
     agent_failed: int = 0  # attempts that ended failed otherwise (error, timeout, agent's word)
     requeued: int = 0  # failed attempts sent back to queuing
     given_up: int = 0  # failed attempts with no attempt left
+    agent_final: int = 0  # failed attempts not retried: their agent failed them
     lost: int = 0  # running attempts that nothing executed
     orphans_stopped: int = 0  # executions of rollouts no longer running at that attempt
 
@@ -274,13 +278,22 @@ class Controller:
             self.stats.exited_ok += 1
         elif rollout.status is Status.FAILED:
             self._outcome.setdefault(key, "agent_failed")
-            if rollout.attempt < rollout.max_attempts:
+            if rollout.attempt < rollout.max_attempts and await self._retried(rollout):
                 await self.client.patch_rollout(
                     exit.rollout_id, Status.QUEUING, attempt=exit.attempt
                 )
                 self.stats.requeued += 1
             else:
                 self.stats.given_up += 1
+
+    async def _retried(self, rollout: Rollout) -> bool:
+        """Whether a failed attempt gets another: only when the infrastructure failed it."""
+        events = await self.client.get_events(rollout.rollout_id, attempt=rollout.attempt)
+        cause = attempt_cause(rollout, events, has_reward=False)
+        if cause is not None and cause.agent:
+            self.stats.agent_final += 1
+            return False
+        return True
 
     # -- reconciling with the gateway --------------------------------------------------
 

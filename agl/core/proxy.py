@@ -2,7 +2,9 @@
 
 The forwarded request asks the endpoint for vLLM's ``logprobs`` and ``return_token_ids``;
 the answer keeps those for the ``model_request`` event and goes back to the harness as a
-plain OpenAI answer. Text completions (``/v1/completions``) go the same way, recorded in
+plain OpenAI answer. The sampling fields are resolved (``agl.core.sampling``), forwarded
+explicitly and recorded with each call, one ``model_request`` per choice with its index.
+Text completions (``/v1/completions``) go the same way, recorded in
 the same layout with the prompt instead of messages: vLLM puts their ids on each choice
 and their logprobs completions-style (``token_logprobs``). A call is acknowledged (its
 last byte sent) only after its event is stored, so nothing the harness received is
@@ -38,14 +40,19 @@ from agl.core.admission import AdmissionGate, Ticket
 from agl.core.calls import invalid_reason
 from agl.core.dialects import ANTHROPIC, Dialect, DialectError, StreamTranslator
 from agl.core.errors import ApiError, error_response
-from agl.core.records import EventIn, ModelEndpoint, storable
+from agl.core.records import MODEL_REQUEST, MODEL_REQUEST_FAILED, EventIn, ModelEndpoint, storable
+from agl.core.sampling import (
+    SamplingError,
+    forwarded_sampling,
+    requested_sampling,
+    sampling_record,
+)
 from agl.core.store import PendingAnswer, Store
+from agl.core.types import Sampling
 from agl.core.upstream import Upstream, UpstreamUnavailable
 
 log = logging.getLogger(__name__)
 
-MODEL_REQUEST = "model_request"
-MODEL_REQUEST_FAILED = "model_request_failed"
 PROXY_EVENT_TYPES = frozenset({MODEL_REQUEST, MODEL_REQUEST_FAILED})
 
 # vLLM's additions to an OpenAI answer; the harness gets the answer without them.
@@ -266,6 +273,7 @@ class CallContext:
     request_hash: bytes
     started: float
     api: _Api
+    sampling: Sampling
 
     def recorded_input(self) -> dict[str, Any]:
         """What the model was given, for monitoring: a chat's messages, or a text
@@ -357,6 +365,10 @@ class RecordingProxy:
         api: _Api,
         request: dict[str, Any],
     ) -> Response:
+        try:
+            sampling = requested_sampling(request)
+        except SamplingError as error:
+            return api.error(400, str(error))
         request_hash = hashlib.sha256(body).digest()
         lost = await self.store.claim_answer(rollout_id, attempt, request_hash, self.boot)
         if lost is not None:
@@ -374,9 +386,22 @@ class RecordingProxy:
                 endpoint = self.router.pick(request.get("model"), rollout_id)
             except ApiError as error:
                 return api.error(error.status, error.message)
-            forwarded = {**request, "model": endpoint.model, **api.forwarded()}
+            forwarded = {
+                **request,
+                "model": endpoint.model,
+                **api.forwarded(),
+                **forwarded_sampling(sampling),
+            }
             call = CallContext(
-                rollout_id, attempt, mode, endpoint, request, request_hash, time.monotonic(), api
+                rollout_id,
+                attempt,
+                mode,
+                endpoint,
+                request,
+                request_hash,
+                time.monotonic(),
+                api,
+                sampling,
             )
             url = endpoint.endpoint.rstrip("/") + api.path
             if request.get("stream"):
@@ -402,6 +427,7 @@ class RecordingProxy:
             calls = [
                 self._call_data(
                     call,
+                    choice,
                     # vLLM puts a text completion's prompt ids on its choice, a chat's on top
                     c.get("prompt_token_ids") or answer.get("prompt_token_ids"),
                     c.get("token_ids"),
@@ -409,7 +435,7 @@ class RecordingProxy:
                     c.get("finish_reason"),
                     _answer_message(c),
                 )
-                for c in answer["choices"]
+                for choice, c in enumerate(answer["choices"])
             ]
         except _MALFORMED as error:
             return await self._failed(
@@ -480,13 +506,14 @@ class RecordingProxy:
                 [
                     self._call_data(
                         call,
+                        choice,
                         c.prompt_ids or prompt_ids,
                         c.token_ids,
                         c.logprobs,
                         c.finish_reason,
                         c.message(),
                     )
-                    for _, c in sorted(choices.items())
+                    for choice, (_, c) in enumerate(sorted(choices.items()))
                 ],
                 b"".join([*sent, *closing]),
                 stream=True,
@@ -511,6 +538,7 @@ class RecordingProxy:
     def _call_data(
         self,
         call: CallContext,
+        choice: int,
         prompt_ids: list[int] | None,
         response_ids: list[int] | None,
         logprobs: list[float],
@@ -522,6 +550,9 @@ class RecordingProxy:
             "response_ids": response_ids,
             "logprobs": logprobs,
             "policy_version": call.endpoint.policy_version,
+            # What the logprobs are of, and so what the trainer scores the tokens under.
+            "sampling": sampling_record(call.sampling),
+            "choice": choice,  # of the request's n: dedup tells choices from retries
             "finish_reason": finish_reason,
             **call.recorded_input(),
             "response": message.get("content"),

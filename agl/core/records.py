@@ -22,6 +22,10 @@ class Status(StrEnum):
 
 TERMINAL = frozenset({Status.SUCCEEDED, Status.FAILED})
 
+# The event types the recording proxy writes: a call it recorded, a call that failed.
+MODEL_REQUEST = "model_request"
+MODEL_REQUEST_FAILED = "model_request_failed"
+
 # Legal moves. failed -> queuing starts the next attempt and is further bounded by
 # max_attempts; queuing -> failed cancels a rollout that never started.
 TRANSITIONS: dict[Status, frozenset[Status]] = {

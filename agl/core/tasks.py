@@ -46,6 +46,19 @@ class TaskConfig:
     # think time bench/async.py gives the agents).
     agent: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 60.0
+    # Extra validation sets, each reported apart (val/NAME/...): the task's val_inputs
+    # with these ``options`` over ``options`` and ``sampling`` over ``sampling`` (other
+    # targets, seeds, temperatures).
+    val_sets: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, spec in self.val_sets.items():
+            unknown = set(spec or {}) - {"options", "sampling"}
+            if unknown or "/" in name:
+                raise ValueError(
+                    f"task.val_sets.{name}: a validation set has a name without '/' and "
+                    f"only 'options' and 'sampling' (not {sorted(unknown)})"
+                )
 
 
 class Task:
@@ -63,8 +76,20 @@ class Task:
         inputs = self._train(batch, n, self.seed, **self.config.options)
         return [self._with_sampling(x) for x in inputs]
 
-    def val_inputs(self, n: int) -> list[Any]:
-        return [self._with_sampling(x) for x in self._val(n, **self.config.options)]
+    @property
+    def val_sets(self) -> list[str]:
+        return list(self.config.val_sets)
+
+    def val_inputs(self, n: int, val_set: str | None = None) -> list[Any]:
+        """The fixed validation inputs; ``val_set`` names one of ``task.val_sets``."""
+        if val_set is None:
+            return [self._with_sampling(x) for x in self._val(n, **self.config.options)]
+        if val_set not in self.config.val_sets:
+            raise ValueError(f"no validation set {val_set!r}; the task has {self.val_sets}")
+        spec = self.config.val_sets[val_set] or {}
+        options = {**self.config.options, **(spec.get("options") or {})}
+        sampling = {**self.config.sampling, **(spec.get("sampling") or {})}
+        return [self._with_sampling(x, sampling) for x in self._val(n, **options)]
 
     def warm_up(
         self, model: Any, tokenizer: Any, cache_dir: Path | None = None, model_key: str = ""
@@ -97,7 +122,11 @@ class Task:
         partial.replace(path)
         return metrics
 
-    def _with_sampling(self, data: Any) -> Any:
+    def _with_sampling(self, data: Any, sampling: dict[str, Any] | None = None) -> Any:
         if isinstance(data, dict):
-            return {**self.config.sampling, **self.config.agent, **data}
+            return {
+                **(self.config.sampling if sampling is None else sampling),
+                **self.config.agent,
+                **data,
+            }
         return data

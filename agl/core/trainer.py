@@ -15,7 +15,11 @@ Invariants:
   consumed; rollout ids are deterministic, so re-submitting a batch creates nothing);
 - the policy is updated only while no generation runs (sync: none in flight; async:
   admission paused and drained), so every recorded ``policy_version`` is exact;
-- rollouts that failed after all attempts are left out of their group and counted.
+- a rollout its agent failed (the harness raised, gave no reward, timed out) scores 0 in
+  its group (``agent_failures=zero``; ``drop`` leaves it out); one the infrastructure
+  failed after all attempts is left out; both are counted by cause;
+- validation counts every validation rollout: agent failures as 0, infrastructure
+  failures reported apart (``val/left_out``), with the reward's standard error.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,7 +35,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from agl.core.assemble import Batch, MergeStrategy, assemble
+from agl.core.assemble import (
+    AGENT_FAILURES,
+    AgentFailures,
+    Batch,
+    FinishedRollout,
+    MergeStrategy,
+    assemble,
+    task_metrics,
+)
+from agl.core.calls import DEDUP_RULES
 from agl.core.client import AsyncGatewayClient
 from agl.core.collector import Collector, Group
 from agl.core.records import RolloutSpec, Status
@@ -47,11 +61,7 @@ class Policy(Protocol):
     """The training side: one update from a batch, and checkpoints."""
 
     def train(
-        self,
-        samples: list[Sample],
-        advantages: list[float],
-        loss: Loss,
-        token_scale: list[list[float]] | None,
+        self, samples: list[Sample], advantages: list[float], loss: Loss
     ) -> dict[str, float]: ...
 
     def save(self, folder: Path) -> None: ...
@@ -62,7 +72,12 @@ class Policy(Protocol):
 class Task(Protocol):
     def train_inputs(self, batch: int, n: int) -> list[Any]: ...
 
-    def val_inputs(self, n: int) -> list[Any]: ...
+    def val_inputs(self, n: int, val_set: str | None = None) -> list[Any]: ...
+
+    @property
+    def val_sets(self) -> Sequence[str]:
+        """Names of the extra validation sets (other options, seeds, temperatures)."""
+        ...
 
 
 # Makes ``policy_version`` the served weights (inference swap + gateway registration).
@@ -85,10 +100,22 @@ class TrainerConfig:
     timeout_s: float = 60.0
     poll_s: float = 0.1
     drain_timeout_s: float = 120.0
+    # A rollout its agent failed: "zero" scores it 0 in its group, "drop" leaves it out.
+    agent_failures: AgentFailures = "zero"
+    dedup: str = "continued"  # agl.core.calls.dedup: continued | last (the paper's)
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
             raise ValueError(f"trainer.mode must be sync or async, not {self.mode!r}")
+        if self.agent_failures not in AGENT_FAILURES:
+            raise ValueError(
+                f"trainer.agent_failures must be one of {', '.join(AGENT_FAILURES)}, "
+                f"not {self.agent_failures!r}"
+            )
+        if self.dedup not in DEDUP_RULES:
+            raise ValueError(
+                f"trainer.dedup must be one of {', '.join(DEDUP_RULES)}, not {self.dedup!r}"
+            )
         for name in ("steps", "groups_per_step", "group_size", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be at least 1")
@@ -219,6 +246,8 @@ class Trainer:
             self.advantage,
             policy_version=self.state.policy_version,
             max_staleness=self.config.max_staleness if self.config.mode == "async" else None,
+            agent_failures=self.config.agent_failures,
+            dedup_rule=self.config.dedup,
         )
         timer = Timer()
         metrics = dict(batch.metrics)
@@ -248,34 +277,38 @@ class Trainer:
             "time/sync_s": timer.sync_s,
             "samples": float(len(batch.samples)),
             "groups": float(len(groups)),
-            "groups/uniform_reward": _uniform_groups(groups),
         }
         return metrics
 
     def _train(self, batch: Batch) -> dict[str, float]:
-        metrics = self.policy.train(batch.samples, batch.advantages, self.loss, batch.token_scale)
+        metrics = self.policy.train(batch.samples, batch.advantages, self.loss)
         return {f"train/{k}": v for k, v in metrics.items()}
 
     # ------------------------------------------------------------------ validation
 
     async def _validate(self, step: int) -> dict[str, float]:
+        """Every validation set at once: the task's own (``val/...``) and each extra one
+        (``val/<name>/...``)."""
         started = time.monotonic()
-        inputs = self.task.val_inputs(self.config.val_size)
-        group = f"v{step}"
-        specs = [
-            self._spec(f"v{step}.{i}", group, data, "val", {"step": step})
-            for i, data in enumerate(inputs)
-        ]
-        await self.collector.submit(specs)
-        await self.collector.wait(lambda: self.collector.complete_count("val") >= 1)
-        (done,) = self.collector.take_complete("val")
-        rollouts = done.rollouts()
-        rewards = [r.reward for r in rollouts if r.usable]
-        return {
-            "val/reward": sum(rewards) / len(rewards) if rewards else 0.0,  # type: ignore[arg-type]
-            "val/failed": float(sum(r.status is Status.FAILED for r in rollouts)),
-            "time/val_s": time.monotonic() - started,
-        }
+        sets = [None, *self.task.val_sets]
+        groups = {name: f"v{step}" if name is None else f"v{step}.{name}" for name in sets}
+        for name, group in groups.items():
+            inputs = self.task.val_inputs(self.config.val_size, name)
+            await self.collector.submit(
+                [
+                    self._spec(f"{group}.{i}", group, data, "val", {"step": step})
+                    for i, data in enumerate(inputs)
+                ]
+            )
+        await self.collector.wait(lambda: self.collector.complete_count("val") >= len(sets))
+        done = {g.group_id: g for g in self.collector.take_complete("val")}
+        metrics: dict[str, float] = {"time/val_s": time.monotonic() - started}
+        for name, group in groups.items():
+            prefix = "val" if name is None else f"val/{name}"
+            metrics |= validation_metrics(
+                done[group].rollouts(), prefix, self.config.agent_failures
+            )
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -337,10 +370,22 @@ class Trainer:
                 )
 
 
-def _uniform_groups(groups: Sequence[Group]) -> float:
-    """Share of groups whose rewards are all equal (no learning signal under GRPO)."""
-    uniform = 0
-    for g in groups:
-        rewards = {r.reward for r in g.rollouts() if r.usable}
-        uniform += len(rewards) <= 1
-    return uniform / max(len(groups), 1)
+def validation_metrics(
+    rollouts: Sequence[FinishedRollout], prefix: str, agent_failures: AgentFailures
+) -> dict[str, float]:
+    """The validation reward over every rollout the agent ran (its failures as 0, unless
+    ``agent_failures`` drops them), its standard error, and the failures by kind; plus
+    the task's metrics."""
+    scored = [reward for r in rollouts if (reward := r.scored_reward(agent_failures)) is not None]
+    n = len(scored)
+    mean = math.fsum(scored) / n if n else 0.0
+    var = math.fsum((x - mean) ** 2 for x in scored) / (n - 1) if n > 1 else 0.0
+    failed = [r for r in rollouts if r.cause is not None]
+    return {
+        f"{prefix}/reward": mean,
+        f"{prefix}/reward_se": math.sqrt(var / n) if n else 0.0,
+        f"{prefix}/rollouts": float(n),
+        f"{prefix}/failed": float(sum(r.cause.agent for r in failed)),  # type: ignore[union-attr]
+        f"{prefix}/left_out": float(len(rollouts) - n),
+        **task_metrics(rollouts, prefix),
+    }

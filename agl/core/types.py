@@ -6,18 +6,59 @@ take and return lists of them, so the algorithms stay pure (no HTTP, no torch).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """The transform of the model's logits that a call's tokens were sampled from, and so
+    the one the trainer scores them under (the one rule, ``agl.backends.sampling``):
+    ``logits / temperature``, then the ``top_k`` most likely tokens (0: all), then the
+    smallest set of those with mass >= ``top_p`` (vLLM's order), renormalised.
+
+    Greedy decoding (temperature 0) is recorded and scored untransformed: its logprob is
+    the model's own ``log_softmax(logits)``, which is what the engines record for it.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, not {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), not {self.top_k!r}")
+
+    @property
+    def scored(self) -> Sampling:
+        """The transform the tokens are scored under (greedy: none)."""
+        return NO_TRANSFORM if self.temperature == 0 else self
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_p < 1 or self.top_k > 0
+
+
+NO_TRANSFORM = Sampling()
+
+
+@dataclass(frozen=True)
 class ModelCall:
-    """One recorded call: the exact prompt tokens, the sampled tokens and their logprobs."""
+    """One recorded call: the exact prompt tokens, the sampled tokens and their logprobs,
+    the sampling transform those logprobs are of, and which choice of its request it was
+    (a request with ``n > 1`` is recorded as one call per choice)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]
     policy_version: int = 0
+    sampling: Sampling = NO_TRANSFORM
+    choice: int = 0
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):
@@ -46,7 +87,9 @@ class Sample:
     ``tokens`` (0 where not an action). ``call_index`` names, per token, the call (its
     index in the deduplicated call list) whose response the token is, -1 for context.
     Tree samples add ``parents`` (index of each token's parent, -1 for a root) and
-    ``position_ids`` (depth), which define the branch-aware causal mask.
+    ``position_ids`` (depth), which define the branch-aware causal mask. ``sampling``
+    (aligned with ``tokens``; None: untransformed everywhere) is the transform each
+    action token was sampled under, so the trainer scores it under the same one.
     """
 
     tokens: list[int]
@@ -60,6 +103,7 @@ class Sample:
     break_reason: BreakReason | None = None  # None for the first sample of a rollout
     diverged_at: int | None = None  # token index where the prompt left the sequence
     stitched_calls: int = 0  # stitch only: calls whose prompt stitching changed
+    sampling: list[Sampling] | None = None
 
     @property
     def num_actions(self) -> int:

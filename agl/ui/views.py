@@ -14,12 +14,10 @@ from typing import Any
 import orjson
 
 from agl.core.calls import dedup, read_calls, shown_messages
-from agl.core.records import Event, Rollout, Status
+from agl.core.records import MODEL_REQUEST, MODEL_REQUEST_FAILED, Event, Rollout, Status
 from agl.core.store import Summary, Transition
 from agl.core.types import ModelCall
 
-MODEL_REQUEST = "model_request"
-MODEL_REQUEST_FAILED = "model_request_failed"
 REWARD = "reward"
 
 

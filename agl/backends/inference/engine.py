@@ -16,11 +16,12 @@ writes one column in place (no per-step ``torch.cat`` of the whole cache); a fin
 is replaced by the last row (one row copied, not the whole cache); columns no live row
 uses any more are dropped from the attention window.
 
-Sampling: temperature (0 = greedy), top-p, and a per-request ``torch.Generator`` when a
-seed is given (one uniform draw per token, so a seeded request is reproducible whatever
-else is in the batch). The logprob returned for a token is ``log_softmax(logits / T)``
-at that token (plain ``log_softmax`` for greedy): the distribution it was sampled from
-before top-p truncation, which a teacher-forced forward pass reproduces.
+Sampling: temperature (0 = greedy), top-k, top-p, and a per-request ``torch.Generator``
+when a seed is given (one uniform draw per token, so a seeded request is reproducible
+whatever else is in the batch). The logprob returned for a token is that of the
+distribution it was sampled from: ``agl.backends.sampling``'s transform (temperature, then
+top-k and top-p, renormalised; plain ``log_softmax`` for greedy), which the training
+backends apply to the same tokens.
 
 Weights change only between generations: ``update_weights`` stops admitting, waits for
 the running sequences to finish, swaps, bumps ``policy_version`` and resumes. A generation
@@ -42,6 +43,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from agl.backends.sampling import logprobs_under
+from agl.core.types import Sampling
+
 log = logging.getLogger(__name__)
 
 # First allocation of KV columns; the slab doubles when a sequence outgrows it.
@@ -53,9 +57,14 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
     seed: int | None = None
     n: int = 1
     ignore_eos: bool = False
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.top_k)
 
 
 @dataclass
@@ -585,7 +594,9 @@ class Engine:
     # ------------------------------------------------------------ sampling
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and their logprobs under ``log_softmax(logits / T)`` (T=1 when greedy)."""
+        """Tokens and their logprobs under each row's transform (``agl.backends.sampling``:
+        temperature, top-k, top-p, renormalised); greedy rows take the argmax, logged
+        untransformed."""
         params = [row.generation.params for row in rows]
         logits = logits.float()
         temperature = [p.temperature for p in params]
@@ -593,12 +604,8 @@ class Engine:
             tokens = logits.argmax(-1)
             logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
             return tokens, logprobs
-        t = torch.tensor([x if x > 0 else 1.0 for x in temperature], device=logits.device)
-        logp = torch.log_softmax(logits / t[:, None], -1)
+        logp = logprobs_under(logits, [p.sampling for p in params])
         probs = logp.exp()
-        top_p = [p.top_p for p in params]
-        if any(p < 1 for p in top_p):
-            probs = _top_p(probs, torch.tensor(top_p, device=logits.device))
         cdf = probs.cumsum(-1)
         u = torch.rand(len(rows), generator=self._generator, device=logits.device)
         for b, row in enumerate(rows):
@@ -606,7 +613,7 @@ class Engine:
                 u[b] = torch.rand((), generator=row.generator, device=logits.device)
         tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
         tokens = tokens.clamp_(max=logits.shape[-1] - 1)
-        # Rounding can land on a token top-p removed (or past the end): take the mode.
+        # Rounding can land on a token the truncation removed (or past the end): the mode.
         tokens = torch.where(
             probs.gather(1, tokens[:, None]).squeeze(1) > 0, tokens, probs.argmax(-1)
         )
@@ -726,14 +733,6 @@ def _deliver_batch(batch: list[_Update]) -> None:
 def _call_on_loop(generation: Generation, fn: object, *args: object) -> None:
     with suppress(RuntimeError):
         generation._loop.call_soon_threadsafe(fn, *args)  # type: ignore[arg-type]
-
-
-def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zero the tail of each row beyond the smallest set with mass >= top_p."""
-    sorted_probs, order = probs.sort(-1, descending=True)
-    before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above
-    sorted_probs = sorted_probs.masked_fill(before >= top_p[:, None], 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
 def _seeded(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:

@@ -175,6 +175,7 @@ def _sampling(body: dict[str, Any], max_batch_size: int) -> SamplingParams:
     top_p = _optional(body, "top_p", float)
     if top_p is not None and not 0 < top_p <= 1:
         raise ApiError(400, "'top_p' must be in (0, 1]")
+    top_k = _optional(body, "top_k", int, minimum=-1)  # vLLM's: -1 or 0 is off
     n = _optional(body, "n", int, minimum=1)
     if n is not None and n > max_batch_size:
         raise ApiError(400, f"'n' must be at most {max_batch_size} (the batch size)")
@@ -182,6 +183,7 @@ def _sampling(body: dict[str, Any], max_batch_size: int) -> SamplingParams:
         max_tokens=1,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
+        top_k=max(top_k or 0, 0),
         seed=_optional(body, "seed", int),
         n=n or 1,
         ignore_eos=bool(_optional(body, "ignore_eos", bool)),

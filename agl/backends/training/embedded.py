@@ -24,17 +24,11 @@ class EmbeddedPolicy:
         self.backend = backend
         self.paused = paused
 
-    def train(
-        self,
-        samples: list[Sample],
-        advantages: list[float],
-        loss: Loss,
-        token_scale: list[list[float]] | None,
-    ) -> dict[str, float]:
+    def train(self, samples: list[Sample], advantages: list[float], loss: Loss) -> dict[str, float]:
         # The trainer runs this with no generation in flight; pausing the engine makes it
         # a guarantee (a stray request waits instead of reading half-updated weights).
         with self.paused():
-            return self.backend.train(samples, advantages, loss, token_scale)
+            return self.backend.train(samples, advantages, loss)
 
     def save(self, folder: Path) -> None:
         torch.save(self.backend.state_dict(), folder / CHECKPOINT)

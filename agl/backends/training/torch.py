@@ -23,25 +23,38 @@ Invariants:
     shares it); its train/eval mode is restored after each step.
 
 Token loss (verl's ``compute_policy_loss``, vanilla PPO): with ``ratio = exp(logp_new -
-logp_behaviour)`` and the sample's advantage ``A``,
-``token_loss = max(-A·ratio, -A·clip(ratio, 1 - clip_low, 1 + clip_high))``.
+logp_old)`` and the sample's advantage ``A``,
+``token_loss = max(-A·ratio, -A·clip(ratio, 1 - clip_low, 1 + clip_high))``, then
+``is_weight · token_loss - entropy_coef · H + kl_coef · KL(π || π_ref)``.
+
+Every logprob (new, old, reference) and the entropy are of the distribution the token was
+sampled from: each token's ``Sample.sampling`` (temperature, top-k, top-p) applied to the
+logits (``agl.backends.sampling``), as the engine applied it. ``logp_old`` is the recorded
+(behaviour) logprob; with a rollout correction on (``agl.core.correction``) it is the
+trainer's own logprob at the start of the step, and ``is_weight`` its truncated ratio to
+the recorded one; tokens the rejection masks stop being actions before the loss strategy
+computes the weights.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import transformers
 
+from agl.backends.sampling import logprobs_under
+from agl.backends.training.penalties import KL_KINDS, entropy_of, kl_penalty
 from agl.backends.training.tree import ancestor_mask
+from agl.core.correction import CorrectionConfig, correct
 from agl.core.schedule import MiniBatch, schedule
-from agl.core.types import Sample
+from agl.core.types import NO_TRANSFORM, Sample, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +79,27 @@ class TorchBackendConfig:
     # Packing cap (memory); gradients accumulate over the micro-batches of a mini-batch.
     max_tokens_per_micro_batch: int = 4096
     device: str = "cpu"
+    # Collapse guards (verl's names): loss -= entropy_coef · H; loss += kl_coef · KL to
+    # the policy as it was when the backend was made (frozen), estimated by kl_type.
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_type: str = "low_var_kl"
+    # Train-inference mismatch (agl.core.correction): TIS and masked IS; null: off.
+    rollout_is: str | None = None
+    rollout_is_threshold: float | str = 2.0
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | str | None = None
+
+    def __post_init__(self) -> None:
+        self.correction  # noqa: B018 - checks the correction options
+        if self.kl_type.removesuffix("+") not in KL_KINDS:
+            raise ValueError(f"kl_type must be one of {', '.join(KL_KINDS)}, not {self.kl_type!r}")
+
+    @property
+    def correction(self) -> CorrectionConfig:
+        return CorrectionConfig(
+            self.rollout_is, self.rollout_is_threshold, self.rollout_rs, self.rollout_rs_threshold
+        )
 
 
 # --- packing ------------------------------------------------------------------------------
@@ -179,6 +213,16 @@ def selected_logits(model: transformers.PreTrainedModel, packed: Packed) -> torc
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
+def _row_sampling(samples: Sequence[Sample], packed: Packed) -> list[Sampling] | None:
+    """The sampling transform of each selected token (None: all untransformed)."""
+    if all(s.sampling is None for s in samples):
+        return None
+    return [
+        NO_TRANSFORM if samples[j].sampling is None else samples[j].sampling[i]  # type: ignore[index]
+        for j, i in zip(packed.sample_index, packed.token_index, strict=True)
+    ]
+
+
 def _model_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
     parameter = next(model.parameters())
     return parameter.device, parameter.dtype
@@ -189,14 +233,15 @@ def packed_logprobs(
 ) -> list[torch.Tensor]:
     """Per sample, the logprob of every token from ONE packed forward (0 for roots).
 
-    Runs under the caller's grad mode and the model's current train/eval mode.
+    Runs under the caller's grad mode and the model's current train/eval mode; each
+    token is scored under its ``Sample.sampling`` transform.
     """
     device, dtype = _model_device_dtype(model)
     selected = [[i for i, p in enumerate(parents_of(s)) if p >= 0] for s in samples]
     packed = pack(samples, selected, device, dtype)
     if not packed.token_index:
         return [torch.zeros(len(s.tokens), device=device) for s in samples]
-    logprobs = torch.log_softmax(selected_logits(model, packed), dim=-1)
+    logprobs = logprobs_under(selected_logits(model, packed), _row_sampling(samples, packed))
     picked = logprobs.gather(-1, packed.targets[:, None]).squeeze(-1)
     # pack() lists the selected tokens sample by sample, so one split gives each its share.
     shares = picked.split([len(c) for c in selected])
@@ -228,11 +273,6 @@ def ppo_clip_loss(
     return torch.maximum(unclipped, clipped), ratio, clipped > unclipped
 
 
-def entropy_of(logprobs: torch.Tensor) -> torch.Tensor:
-    """``[K]`` entropy of each row of ``[K, V]`` log-probabilities."""
-    return -(logprobs.exp() * logprobs).sum(-1)
-
-
 def k3(logp_new: torch.Tensor, logp_old: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(behaviour || current) on tokens sampled from the
     behaviour policy: with ``r = p_current / p_behaviour``, ``(r - 1) - log r`` ≥ 0.
@@ -255,11 +295,13 @@ class _Stats:
     entropy: float = 0.0
     clipped: float = 0.0
     kl: float = 0.0
+    kl_ref: float = 0.0
     ratio: float = 0.0
     mismatch: float = 0.0
     mismatch_tokens: int = 0
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    extra: dict[str, float] = field(default_factory=dict)
 
     def metrics(self, mini_batches: int, train_s: float) -> dict[str, float]:
         per_token = max(self.tokens_trained, 1)  # no trained token: report 0, not NaN
@@ -268,6 +310,7 @@ class _Stats:
             "entropy": self.entropy / per_token,
             "clip_fraction": self.clipped / per_token,
             "kl_behaviour": self.kl / per_token,
+            "kl_reference": self.kl_ref / per_token,
             "logprob_mismatch": self.mismatch / max(self.mismatch_tokens, 1),
             "ratio_mean": self.ratio / per_token,
             "grad_norm": _mean(self.grad_norms),
@@ -276,6 +319,7 @@ class _Stats:
             "micro_batches": float(self.micro_batches),
             "mini_batches": float(mini_batches),
             "train_s": train_s,
+            **self.extra,
         }
 
 
@@ -284,6 +328,15 @@ def _mean(values: Sequence[float]) -> float:
 
 
 # --- the backend --------------------------------------------------------------------------
+
+
+@dataclass
+class _Targets:
+    """Per sample, per token: the logprob the PPO ratio is taken against, and the IS
+    weight of the token's loss (1 without a rollout correction)."""
+
+    logp_old: list[list[float]]
+    is_weight: list[list[float]]
 
 
 class TorchBackend:
@@ -300,24 +353,22 @@ class TorchBackend:
             betas=tuple(config.betas),  # a Hydra ListConfig arrives as a list
             weight_decay=config.weight_decay,
         )
+        # The KL penalty's anchor: the weights as they are now (after any warm-up).
+        self.reference = _frozen_copy(model) if config.kl_coef else None
 
     # -- public API
 
     def train(
-        self,
-        samples: list[Sample],
-        advantages: list[float],
-        loss: LossFn,
-        token_scale: list[list[float]] | None = None,
+        self, samples: list[Sample], advantages: list[float], loss: LossFn
     ) -> dict[str, float]:
         """One step: one AdamW update per mini-batch; answers the step's metrics.
 
         ``loss`` (a loss strategy) is called once per mini-batch with that mini-batch's
-        samples; ``token_scale`` (aligned with tokens) multiplies its weights, 0 = drop.
+        samples (after the rejection masks, if any, took tokens out).
         """
         start = time.perf_counter()
         vocab = self.model.get_input_embeddings().num_embeddings
-        check_train_inputs(samples, advantages, token_scale, vocab)
+        check_train_inputs(samples, advantages, vocab)
         plan = schedule(
             samples,
             num_mini_batches=self.config.num_mini_batches,
@@ -334,9 +385,10 @@ class TorchBackend:
         was_training = self.model.training
         self.model.train()
         try:
+            samples, targets = self._targets(samples, plan, stats)
             for m, mini in enumerate(plan.mini_batches):
-                weights = self._weights(samples, mini, loss, token_scale)
-                self._update(samples, advantages, weights, mini, stats, first=m == 0)
+                weights = self._weights(samples, mini, loss)
+                self._update(samples, advantages, targets, weights, mini, stats, first=m == 0)
         finally:
             self.model.train(was_training)
             # Gradients are as big as the model; the engine gets that memory back.
@@ -344,27 +396,80 @@ class TorchBackend:
         return stats.metrics(len(plan.mini_batches), time.perf_counter() - start)
 
     def state_dict(self) -> dict[str, Any]:
-        """A snapshot (CPU copies, so later steps do not change it) of model and optimizer."""
-        return {
+        """A snapshot (CPU copies, so later steps do not change it) of model and optimizer
+        (and of the KL reference, which a resumed run must keep)."""
+        state = {
             "model": _to_cpu_copy(self.model.state_dict()),
             "optimizer": _to_cpu_copy(self.optimizer.state_dict()),
         }
+        if self.reference is not None:
+            state["reference"] = _to_cpu_copy(self.reference.state_dict())
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Both copy into the existing tensors/device: the model object stays the same.
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.reference is not None and "reference" in state:
+            self.reference.load_state_dict(state["reference"])
+
+    # -- the step's targets
+
+    def _targets(
+        self, samples: list[Sample], plan: Any, stats: _Stats
+    ) -> tuple[list[Sample], _Targets]:
+        """``logp_old`` and IS weights; with a correction, the rejected tokens made context."""
+        recorded = _Targets(
+            [list(s.logprobs) for s in samples], [[1.0] * len(s.tokens) for s in samples]
+        )
+        correction = self.config.correction
+        if not correction.enabled:
+            return samples, recorded
+        old = self._score(
+            samples, [m for mini in plan.mini_batches for m in mini.ranks[0].micro_batches]
+        )
+        actions = [[i for i, a in enumerate(s.action_mask) if a] for s in samples]
+        log_ratios = [
+            [old[j][i] - samples[j].logprobs[i] for i in positions]
+            for j, positions in enumerate(actions)
+        ]
+        result = correct(log_ratios, correction)
+        stats.extra |= result.metrics
+        out: list[Sample] = []
+        for j, s in enumerate(samples):
+            mask = list(s.action_mask)
+            for i, w, keep in zip(actions[j], result.weights[j], result.keep[j], strict=True):
+                recorded.is_weight[j][i] = w
+                recorded.logp_old[j][i] = old[j][i]
+                mask[i] = int(keep)
+            out.append(s if mask == s.action_mask else replace(s, action_mask=mask))
+        return out, recorded
+
+    @torch.no_grad()
+    def _score(
+        self, samples: list[Sample], micro_batches: Sequence[list[int]]
+    ) -> list[list[float]]:
+        """The current weights' logprob of every action token (0 elsewhere), packed as the
+        step's micro-batches are."""
+        out = [[0.0] * len(s.tokens) for s in samples]
+        for micro in micro_batches:
+            batch = [samples[i] for i in micro]
+            selected = [_scorable(s) for s in batch]
+            if not any(selected):
+                continue
+            _, logp, packed = _forward(self.model, batch, selected)
+            for j, i, value in zip(
+                packed.sample_index, packed.token_index, logp.tolist(), strict=True
+            ):
+                out[micro[j]][i] = value
+        return out
 
     # -- one mini-batch
 
     def _weights(
-        self,
-        samples: list[Sample],
-        mini: MiniBatch,
-        loss: LossFn,
-        token_scale: list[list[float]] | None,
+        self, samples: list[Sample], mini: MiniBatch, loss: LossFn
     ) -> dict[int, list[float]]:
-        """Loss weights of the mini-batch's samples (by index in ``samples``), scaled."""
+        """Loss weights of the mini-batch's samples (by index in ``samples``)."""
         indices = mini.sample_indices
         computed = loss([samples[i] for i in indices])
         if len(computed) != len(indices):
@@ -380,8 +485,6 @@ class TorchBackend:
                     f"{len(samples[i].tokens)} tokens"
                 )
             row = [float(x) for x in w]
-            if token_scale is not None:
-                row = [x * float(s) for x, s in zip(row, token_scale[i], strict=True)]
             if not all(math.isfinite(x) for x in row):
                 raise ValueError(f"sample {i} has a non-finite loss weight")
             weights[i] = row
@@ -391,6 +494,7 @@ class TorchBackend:
         self,
         samples: list[Sample],
         advantages: list[float],
+        targets: _Targets,
         weights: dict[int, list[float]],
         mini: MiniBatch,
         stats: _Stats,
@@ -400,10 +504,12 @@ class TorchBackend:
         trained_before = stats.tokens_trained
         mini_loss = 0.0
         for micro in mini.ranks[0].micro_batches:
-            mini_loss += self._micro_step(samples, advantages, weights, micro, stats, first)
+            mini_loss += self._micro_step(
+                samples, advantages, targets, weights, micro, stats, first
+            )
         if stats.tokens_trained == trained_before:
-            # Nothing to learn from (e.g. every token dropped by token_scale): no step, so
-            # weight decay does not move the weights either.
+            # Nothing to learn from (e.g. every token masked): no step, so weight decay
+            # does not move the weights either.
             stats.losses.append(0.0)
             stats.grad_norms.append(0.0)
             return
@@ -414,6 +520,7 @@ class TorchBackend:
         self,
         samples: list[Sample],
         advantages: list[float],
+        targets: _Targets,
         weights: dict[int, list[float]],
         micro: list[int],
         stats: _Stats,
@@ -424,10 +531,8 @@ class TorchBackend:
         selected = [_trainable(samples[i], weights[i]) for i in micro]
         if not any(selected):
             return 0.0  # no token would get a gradient: skip the forward too
-        device, dtype = _model_device_dtype(self.model)
-        packed = pack(batch, selected, device, dtype)
-        logprobs = torch.log_softmax(selected_logits(self.model, packed), dim=-1)
-        logp_new = logprobs.gather(-1, packed.targets[:, None]).squeeze(-1)
+        logprobs, logp_new, packed = _forward(self.model, batch, selected)
+        device = logp_new.device
 
         def per_token(values: Callable[[int, int], float]) -> torch.Tensor:
             data = [
@@ -436,23 +541,40 @@ class TorchBackend:
             ]
             return torch.tensor(data, dtype=logp_new.dtype, device=device)
 
-        logp_old = per_token(lambda s, i: samples[s].logprobs[i])
+        recorded = per_token(lambda s, i: samples[s].logprobs[i])
+        logp_old = per_token(lambda s, i: targets.logp_old[s][i])
+        is_weight = per_token(lambda s, i: targets.is_weight[s][i])
         advantage = per_token(lambda s, _: advantages[s])
         weight = per_token(lambda s, i: weights[s][i])
         token_loss, ratio, clipped = ppo_clip_loss(
             logp_new, logp_old, advantage, self.config.clip_low, self.config.clip_high
         )
+        token_loss = token_loss * is_weight
+        entropy = entropy_of(logprobs)
+        if self.config.entropy_coef:
+            token_loss = token_loss - self.config.entropy_coef * entropy
+        kl_ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logprobs = logprobs_under(
+                    selected_logits(self.reference, packed), _row_sampling(batch, packed)
+                )
+                ref = ref_logprobs.gather(-1, packed.targets[:, None]).squeeze(-1)
+            kl_ref = kl_penalty(logp_new, ref, self.config.kl_type)
+            token_loss = token_loss + self.config.kl_coef * kl_ref
         micro_loss = (weight * token_loss).sum()
         micro_loss.backward()
 
         with torch.no_grad():
             new = logp_new.detach()
-            stats.entropy += entropy_of(logprobs.detach()).sum().item()
+            stats.entropy += entropy.detach().sum().item()
             stats.clipped += clipped.sum().item()
-            stats.kl += k3(new, logp_old).sum().item()
+            stats.kl += k3(new, recorded).sum().item()
             stats.ratio += ratio.detach().sum().item()
+            if kl_ref is not None:
+                stats.kl_ref += kl_ref.detach().sum().item()
             if first:
-                stats.mismatch += (new - logp_old).abs().sum().item()
+                stats.mismatch += (new - recorded).abs().sum().item()
                 stats.mismatch_tokens += len(packed.token_index)
         stats.tokens_trained += len(packed.token_index)
         stats.tokens_computed += packed.num_tokens
@@ -475,12 +597,25 @@ class TorchBackend:
         return norm.item()
 
 
-def check_train_inputs(
-    samples: list[Sample],
-    advantages: list[float],
-    token_scale: list[list[float]] | None,
-    vocab: int,
-) -> None:
+def _forward(
+    model: transformers.PreTrainedModel, batch: Sequence[Sample], selected: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, torch.Tensor, Packed]:
+    """One packed forward: the transformed ``[K, V]`` logprobs at the selected tokens'
+    rows, the selected tokens' logprobs ``[K]``, and the packing."""
+    device, dtype = _model_device_dtype(model)
+    packed = pack(batch, selected, device, dtype)
+    logprobs = logprobs_under(selected_logits(model, packed), _row_sampling(batch, packed))
+    return logprobs, logprobs.gather(-1, packed.targets[:, None]).squeeze(-1), packed
+
+
+def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    reference.eval()
+    return reference
+
+
+def check_train_inputs(samples: list[Sample], advantages: list[float], vocab: int) -> None:
     """What every training backend's ``train()`` refuses, with a ValueError saying why."""
     if not samples:
         raise ValueError("train() needs at least one sample, got an empty list")
@@ -490,22 +625,18 @@ def check_train_inputs(
         )
     if not all(math.isfinite(a) for a in advantages):
         raise ValueError("advantages must be finite numbers")
-    if token_scale is not None and len(token_scale) != len(samples):
-        raise ValueError(
-            f"token_scale needs one list per sample: {len(samples)} samples, "
-            f"{len(token_scale)} lists"
-        )
     for i, s in enumerate(samples):
         _check_sample(i, s, vocab)
-        if token_scale is not None and len(token_scale[i]) != len(s.tokens):
-            raise ValueError(
-                f"token_scale[{i}] has {len(token_scale[i])} values for {len(s.tokens)} tokens"
-            )
 
 
 def _check_sample(index: int, sample: Sample, vocab: int) -> None:
     n = len(sample.tokens)
-    aligned = {"action_mask": sample.action_mask, "logprobs": sample.logprobs}
+    aligned: dict[str, Sequence[object]] = {
+        "action_mask": sample.action_mask,
+        "logprobs": sample.logprobs,
+    }
+    if sample.sampling is not None:
+        aligned["sampling"] = sample.sampling
     if sample.parents is not None or sample.position_ids is not None:
         if sample.parents is None or sample.position_ids is None:
             raise ValueError(f"sample {index}: a tree sample needs both parents and position_ids")
@@ -515,6 +646,14 @@ def _check_sample(index: int, sample: Sample, vocab: int) -> None:
             raise ValueError(f"sample {index}: {len(values)} {name} for {n} tokens")
     if n and not all(0 <= t < vocab for t in sample.tokens):
         raise ValueError(f"sample {index}: token ids must be in [0, {vocab})")
+
+
+def _scorable(sample: Sample) -> list[int]:
+    """Action tokens with a parent to be predicted from."""
+    parents = parents_of(sample)
+    return [
+        i for i, (a, p) in enumerate(zip(sample.action_mask, parents, strict=True)) if a and p >= 0
+    ]
 
 
 def _trainable(sample: Sample, weights: list[float]) -> list[int]:

@@ -5,8 +5,8 @@ engine, the code ``ActorRolloutRefWorker.update_actor`` runs on every GPU worker
 The path of one ``train()`` (:class:`VerlPolicy`):
 
 1. agl's scheduler cuts the step into optimizer mini-batches (a rollout's samples stay in
-   one); the loss strategy's weights are computed once per mini-batch, times
-   ``token_scale`` — exactly as in ``TorchBackend``.
+   one); the loss strategy's weights are computed once per mini-batch, exactly as in
+   ``TorchBackend``.
 2. Each mini-batch becomes one ``DataProto`` (:func:`to_dataproto`, verl's field names:
    ``input_ids``, ``attention_mask``, ``position_ids``, ``prompts``, ``responses``,
    ``response_mask``, ``old_log_probs``/``rollout_log_probs`` (the recorded behaviour
@@ -51,6 +51,7 @@ of FSDP workers instead (``agl/backends/training/verl_ray.py``): :class:`VerlPol
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import os
@@ -61,12 +62,14 @@ import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agl.backends.training.penalties import KL_KINDS
 from agl.backends.training.verl_layout import (
     Padded,
+    TokenTargets,
     TreeSampleError,
     VerlRow,
     pad,
@@ -74,6 +77,7 @@ from agl.backends.training.verl_layout import (
     split,
     unpad,
 )
+from agl.core.correction import CorrectionConfig, correct
 from agl.core.schedule import schedule
 from agl.core.types import Sample
 
@@ -90,19 +94,35 @@ LossFn = Callable[[list[Sample]], list[list[float]]]
 # objective is agl's plain PPO-clip.
 NO_DUAL_CLIP = 1.0e9
 
+# The engine key (``VERL_ENGINE_DEVICE``) of verl's FSDP engine with agl's sampling
+# transform (:func:`sampling_engine`), on every device.
+SAMPLING_ENGINE = "agl-sampling"
+# Per response column: each token's sampling transform (``agl.core.types.Sampling``).
+SAMPLING_KEYS = ("agl_temperature", "agl_top_k", "agl_top_p")
+
 __all__ = [
     "NO_DUAL_CLIP",
+    "SAMPLING_ENGINE",
+    "SAMPLING_KEYS",
+    "Penalties",
     "TreeSampleError",
     "VerlBackendConfig",
     "VerlPolicy",
     "actor_config",
+    "agl_ppo_loss",
     "build_worker",
     "ensure_cpu_platform",
     "ensure_process_group",
     "from_dataproto",
     "loss_fn",
     "mini_batch_rows",
+    "register_sampling_engine",
+    "response_logprobs",
+    "sampled_model_outputs",
+    "sampling_engine",
+    "score_rows",
     "to_dataproto",
+    "to_infer_tensordict",
     "to_train_tensordict",
     "worker_config",
 ]
@@ -141,6 +161,27 @@ class VerlBackendConfig:
     ray_address: str | None = None  # None: start a local Ray; "auto"/"host:port": join one
     # Carried over from torch.yaml so one override line serves both backends.
     torch_threads: int = 2
+    # As torch.yaml (verl's names): loss -= entropy_coef · H, loss += kl_coef · KL(π ||
+    # π_ref) by kl_type, each token's term times its loss weight; π_ref is the policy as
+    # this backend was built (a frozen copy, kept in checkpoints).
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_type: str = "low_var_kl"
+    # Train-inference mismatch (agl.core.correction, verl's rollout correction); null: off.
+    rollout_is: str | None = None
+    rollout_is_threshold: float | str = 2.0
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | str | None = None
+
+    @property
+    def correction(self) -> CorrectionConfig:
+        return CorrectionConfig(
+            self.rollout_is, self.rollout_is_threshold, self.rollout_rs, self.rollout_rs_threshold
+        )
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(self.entropy_coef, self.kl_coef, self.kl_type)
 
     @property
     def on_ray(self) -> bool:
@@ -155,6 +196,22 @@ class VerlBackendConfig:
                 raise ValueError(f"backend.{name} must be at least 1")
         if not self.clip_ratio_c > 1.0:
             raise ValueError("backend.clip_ratio_c must be > 1 (verl's dual-clip bound)")
+        if self.kl_type.removesuffix("+") not in KL_KINDS:
+            raise ValueError(f"kl_type must be one of {', '.join(KL_KINDS)}, not {self.kl_type!r}")
+        self.correction  # noqa: B018 - checks the correction options
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """The per-token terms agl adds to verl's PPO loss (see :func:`agl_ppo_loss`)."""
+
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_type: str = "low_var_kl"
+
+    @property
+    def active(self) -> bool:
+        return bool(self.entropy_coef or self.kl_coef)
 
 
 def actor_config(config: VerlBackendConfig) -> Any:
@@ -684,11 +741,10 @@ class VerlPolicy:
         samples: list[Sample],
         advantages: list[float],
         loss: LossFn,
-        token_scale: list[list[float]] | None = None,
     ) -> dict[str, float]:
         """One step: one verl update per agl mini-batch; answers the step's metrics."""
         start = time.perf_counter()
-        self._check(samples, advantages, token_scale)
+        self._check(samples, advantages)
         plan = schedule(
             samples,
             num_mini_batches=self.config.num_mini_batches,
@@ -702,7 +758,7 @@ class VerlPolicy:
             with self._updating():
                 for mini in plan.mini_batches:
                     index = mini.sample_indices
-                    weights = _scaled_weights([samples[i] for i in index], loss, token_scale, index)
+                    weights = _weights([samples[i] for i in index], loss)
                     rows = mini_batch_rows(
                         [samples[i] for i in index], [advantages[i] for i in index], weights
                     )
@@ -759,18 +815,13 @@ class VerlPolicy:
     def _dp_size(self) -> int:
         return int(self.worker.engine.get_data_parallel_size())
 
-    def _check(
-        self,
-        samples: list[Sample],
-        advantages: list[float],
-        token_scale: list[list[float]] | None,
-    ) -> None:
+    def _check(self, samples: list[Sample], advantages: list[float]) -> None:
         from agl.backends.training.torch import check_train_inputs
 
         for s in samples:
             if s.parents is not None or s.position_ids is not None:
                 split(s, [0.0] * len(s.tokens), 0.0)  # raises TreeSampleError
-        check_train_inputs(samples, advantages, token_scale, self.vocab)
+        check_train_inputs(samples, advantages, self.vocab)
 
     # -- weights and checkpoints
 
@@ -801,14 +852,9 @@ class VerlPolicy:
             shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
-def _scaled_weights(
-    samples: list[Sample],
-    loss: LossFn,
-    token_scale: list[list[float]] | None,
-    index: list[int],
-) -> list[list[float]]:
-    """The loss strategy's weights over one mini-batch, times ``token_scale`` (as
-    ``TorchBackend._weights``); negative weights are refused (folding needs ``w ≥ 0``)."""
+def _weights(samples: list[Sample], loss: LossFn) -> list[list[float]]:
+    """The loss strategy's weights over one mini-batch (as ``TorchBackend._weights``);
+    negative weights are refused (folding needs ``w ≥ 0``)."""
     computed = loss(samples)
     if len(computed) != len(samples):
         raise ValueError(
@@ -816,15 +862,13 @@ def _scaled_weights(
             f"expected {len(samples)}"
         )
     out = []
-    for j, (s, w) in enumerate(zip(samples, computed, strict=True)):
+    for s, w in zip(samples, computed, strict=True):
         if len(w) != len(s.tokens):
             raise ValueError(
                 f"the loss strategy returned {len(w)} weights for a sample of "
                 f"{len(s.tokens)} tokens"
             )
         row = [float(x) for x in w]
-        if token_scale is not None:
-            row = [x * float(c) for x, c in zip(row, token_scale[index[j]], strict=True)]
         if not all(math.isfinite(x) and x >= 0.0 for x in row):
             raise ValueError(
                 "loss weights must be finite and >= 0 for verl (they are folded into the "

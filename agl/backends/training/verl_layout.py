@@ -19,8 +19,13 @@ A linear agl sample maps to one row:
   no action token gets its last token as a (masked) response, so no response is empty;
 - ``response`` = the rest; ``response_mask`` = the sample's ``action_mask`` there (a
   multi-turn sample's later prompts sit inside the response, masked 0, as in verl);
-- ``logprobs``, ``weights`` (the loss strategy's, times ``token_scale``) over the response;
-  0 wherever the mask is 0, so nothing masked can leak into a sum.
+- ``logprobs``, ``weights`` (the loss strategy's) over the response;
+  0 wherever the mask is 0, so nothing masked can leak into a sum;
+- optional, per response column: ``sampling`` (each token's ``Sample.sampling`` as scored,
+  untransformed where masked; None when no column is transformed), and the step's
+  :class:`TokenTargets` — ``old_logprobs`` (π_old of a rollout correction),
+  ``is_weights``, ``ref_logprobs`` (the KL reference's). Rows of one batch carry the
+  same optional fields (:func:`pad` fills a row's missing ones with neutral values).
 
 Invariants (``tests/test_verl_backend.py``, Hypothesis):
   - ``join(split(s)) == s`` for every linear sample (tokens, mask, logprobs, ids); weights
@@ -37,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from agl.core.types import Sample
+from agl.core.types import NO_TRANSFORM, Sample, Sampling
 
 
 class TreeSampleError(ValueError):
@@ -56,10 +61,35 @@ class VerlRow:
     advantage: float
     rollout_id: str
     group_id: str
+    sampling: tuple[Sampling, ...] | None = None  # scored transform per column; None: none
+    old_logprobs: list[float] | None = None  # π_old per column; None: ``logprobs`` are π_old
+    is_weights: list[float] | None = None  # rollout-correction IS weight per column
+    ref_logprobs: list[float] | None = None  # the KL reference's logprob per column
 
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.response)
+
+
+@dataclass(frozen=True)
+class TokenTargets:
+    """Per token of one sample (aligned with its tokens), what a step compares against
+    besides the recorded logprobs; None: not used this step."""
+
+    old_logprobs: Sequence[float] | None = None
+    is_weights: Sequence[float] | None = None
+    ref_logprobs: Sequence[float] | None = None
+
+
+def response_sampling(
+    sampling: Sequence[Sampling] | None, mask: Sequence[int]
+) -> tuple[Sampling, ...] | None:
+    """The scored transform of each response column (untransformed where masked, where
+    nothing is trained); None when no column is transformed, so a row has one form."""
+    if sampling is None:
+        return None
+    columns = tuple(s.scored if m else NO_TRANSFORM for s, m in zip(sampling, mask, strict=True))
+    return None if all(c == NO_TRANSFORM for c in columns) else columns
 
 
 def prompt_length(action_mask: Sequence[int]) -> int:
@@ -74,8 +104,14 @@ def prompt_length(action_mask: Sequence[int]) -> int:
     return next((i for i in range(1, n) if action_mask[i]), n - 1)
 
 
-def split(sample: Sample, weights: Sequence[float], advantage: float) -> VerlRow:
-    """``sample`` (linear) as one verl row; ``weights`` are aligned with its tokens."""
+def split(
+    sample: Sample,
+    weights: Sequence[float],
+    advantage: float,
+    targets: TokenTargets | None = None,
+) -> VerlRow:
+    """``sample`` (linear) as one verl row; ``weights`` (and ``targets``) are aligned with
+    its tokens."""
     if sample.parents is not None or sample.position_ids is not None:
         raise TreeSampleError(
             f"sample of rollout {sample.rollout_id!r} is a tree sample (merge=tree): verl's "
@@ -83,12 +119,20 @@ def split(sample: Sample, weights: Sequence[float], advantage: float) -> VerlRow
             "use backend=torch for merge=tree, or a linear merge (prefix, independent, stitch)"
         )
     n = len(sample.tokens)
-    if not (len(sample.action_mask) == len(sample.logprobs) == len(weights) == n):
-        raise ValueError(
-            f"sample of rollout {sample.rollout_id!r}: {n} tokens, "
-            f"{len(sample.action_mask)} mask, {len(sample.logprobs)} logprobs, "
-            f"{len(weights)} weights"
-        )
+    targets = targets or TokenTargets()
+    aligned: dict[str, Sequence[object] | None] = {
+        "mask": sample.action_mask,
+        "logprobs": sample.logprobs,
+        "weights": weights,
+        "sampling": sample.sampling,
+        "old logprobs": targets.old_logprobs,
+        "IS weights": targets.is_weights,
+        "reference logprobs": targets.ref_logprobs,
+    }
+    wrong = {k: len(v) for k, v in aligned.items() if v is not None and len(v) != n}
+    if wrong:
+        counts = ", ".join(f"{c} {k}" for k, c in wrong.items())
+        raise ValueError(f"sample of rollout {sample.rollout_id!r}: {n} tokens but {counts}")
     if n < 2:
         raise ValueError(
             f"sample of rollout {sample.rollout_id!r} has {n} token(s): verl needs a prompt "
@@ -96,15 +140,26 @@ def split(sample: Sample, weights: Sequence[float], advantage: float) -> VerlRow
         )
     p = prompt_length(sample.action_mask)
     mask = [1 if a else 0 for a in sample.action_mask[p:]]
+
+    def masked(values: Sequence[float]) -> list[float]:
+        return [float(v) if m else 0.0 for v, m in zip(values[p:], mask, strict=True)]
+
+    def optional(values: Sequence[float] | None) -> list[float] | None:
+        return None if values is None else masked(values)
+
     return VerlRow(
         prompt=list(sample.tokens[:p]),
         response=list(sample.tokens[p:]),
         response_mask=mask,
-        logprobs=[lp if m else 0.0 for lp, m in zip(sample.logprobs[p:], mask, strict=True)],
-        weights=[float(w) if m else 0.0 for w, m in zip(weights[p:], mask, strict=True)],
+        logprobs=masked(sample.logprobs),
+        weights=masked(weights),
         advantage=float(advantage),
         rollout_id=sample.rollout_id,
         group_id=sample.group_id,
+        sampling=response_sampling(None if sample.sampling is None else sample.sampling[p:], mask),
+        old_logprobs=optional(targets.old_logprobs),
+        is_weights=optional(targets.is_weights),
+        ref_logprobs=optional(targets.ref_logprobs),
     )
 
 
@@ -114,14 +169,19 @@ def join(row: VerlRow) -> Sample:
     The prompt's action flags are not stored: a prompt holds no action token except a
     first token that is one (kept in the prompt because verl needs ``prompt_len > 0``),
     and such a token is never trained, so it comes back as context (``action_mask`` 0).
-    :func:`split` of the result gives the same row.
+    :func:`split` of the result gives the same row (the targets are not a sample's: they
+    stay behind).
     """
+    sampling = None
+    if row.sampling is not None:
+        sampling = [NO_TRANSFORM] * len(row.prompt) + list(row.sampling)
     return Sample(
         tokens=row.prompt + row.response,
         action_mask=[0] * len(row.prompt) + list(row.response_mask),
         logprobs=[0.0] * len(row.prompt) + list(row.logprobs),
         rollout_id=row.rollout_id,
         group_id=row.group_id,
+        sampling=sampling,
     )
 
 
@@ -140,7 +200,8 @@ class Padded:
     ``prompts[i]`` is left-padded to ``P``, ``responses[i]`` right-padded to ``R``;
     ``attention_mask[i]`` (``P + R``) is 1 on real tokens; ``position_ids[i]`` counts real
     tokens from 0 (0 on padding, as verl computes them from the mask). Per-response-column
-    lists are 0 on padding.
+    lists are 0 on padding, the sampling columns untransformed (temperature 1, top-k 0,
+    top-p 1). An optional field is None when no row of the batch has it.
     """
 
     prompts: list[list[int]]
@@ -152,6 +213,44 @@ class Padded:
     logprobs: list[list[float]]
     weights: list[list[float]]
     advantages: list[list[float]]  # the row's scalar advantage on its masked columns
+    temperature: list[list[float]] | None = None
+    top_k: list[list[int]] | None = None
+    top_p: list[list[float]] | None = None
+    old_logprobs: list[list[float]] | None = None
+    is_weights: list[list[float]] | None = None
+    ref_logprobs: list[list[float]] | None = None
+
+
+def _columns(
+    rows: Sequence[VerlRow], width: int, value: str, default: str, fill: float = 0.0
+) -> list[list[float]] | None:
+    """Row attribute ``value`` (None where no row has it) right-padded to ``width`` with
+    ``fill``; a row without it takes its attribute ``default`` instead."""
+    if all(getattr(r, value) is None for r in rows):
+        return None
+    out = []
+    for r in rows:
+        values = getattr(r, value)
+        values = list(getattr(r, default) if values is None else values)
+        out.append(values + [fill] * (width - len(values)))
+    return out
+
+
+def _sampling_columns(
+    rows: Sequence[VerlRow], width: int
+) -> tuple[list[list[float]], list[list[int]], list[list[float]]] | None:
+    """``(temperature, top_k, top_p)`` per response column, untransformed on padding and on
+    rows without a transform; None when no row has one."""
+    if all(r.sampling is None for r in rows):
+        return None
+    temperature, top_k, top_p = [], [], []
+    for r in rows:
+        columns = list(r.sampling or [NO_TRANSFORM] * len(r.response))
+        columns += [NO_TRANSFORM] * (width - len(columns))
+        temperature.append([s.temperature for s in columns])
+        top_k.append([s.top_k for s in columns])
+        top_p.append([s.top_p for s in columns])
+    return temperature, top_k, top_p
 
 
 def pad(rows: Sequence[VerlRow], pad_id: int) -> Padded:
@@ -160,24 +259,44 @@ def pad(rows: Sequence[VerlRow], pad_id: int) -> Padded:
         raise ValueError("no rows to pad")
     width_p = max(len(r.prompt) for r in rows)
     width_r = max(len(r.response) for r in rows)
-    out = Padded([], [], [], [], [], [], [], [], [])
+    prompts, responses, input_ids, attention_mask, position_ids = [], [], [], [], []
+    response_mask, logprobs, weights, advantages = [], [], [], []
     for r in rows:
         left = width_p - len(r.prompt)
         right = width_r - len(r.response)
         prompt = [pad_id] * left + r.prompt
         response = r.response + [pad_id] * right
-        attention = [0] * left + [1] * (len(r.prompt) + len(r.response)) + [0] * right
-        positions = [0] * left + list(range(r.length)) + [0] * right
-        out.prompts.append(prompt)
-        out.responses.append(response)
-        out.input_ids.append(prompt + response)
-        out.attention_mask.append(attention)
-        out.position_ids.append(positions)
-        out.response_mask.append(r.response_mask + [0] * right)
-        out.logprobs.append(r.logprobs + [0.0] * right)
-        out.weights.append(r.weights + [0.0] * right)
-        out.advantages.append([r.advantage if m else 0.0 for m in r.response_mask] + [0.0] * right)
-    return out
+        prompts.append(prompt)
+        responses.append(response)
+        input_ids.append(prompt + response)
+        attention_mask.append([0] * left + [1] * (len(r.prompt) + len(r.response)) + [0] * right)
+        position_ids.append([0] * left + list(range(r.length)) + [0] * right)
+        response_mask.append(r.response_mask + [0] * right)
+        logprobs.append(r.logprobs + [0.0] * right)
+        weights.append(r.weights + [0.0] * right)
+        advantages.append([r.advantage if m else 0.0 for m in r.response_mask] + [0.0] * right)
+    sampling = _sampling_columns(rows, width_r)
+    temperature, top_k, top_p = sampling if sampling is not None else (None, None, None)
+    return Padded(
+        prompts=prompts,
+        responses=responses,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        response_mask=response_mask,
+        logprobs=logprobs,
+        weights=weights,
+        advantages=advantages,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        # a row without π_old trains against its recorded logprobs, without an IS weight
+        # with weight 1 on its masked-in columns (the mask: 1 or 0), without a reference
+        # on nothing (its weights are all 0: a filler)
+        old_logprobs=_columns(rows, width_r, "old_logprobs", "logprobs"),
+        is_weights=_columns(rows, width_r, "is_weights", "response_mask"),
+        ref_logprobs=_columns(rows, width_r, "ref_logprobs", "logprobs"),
+    )
 
 
 def unpad(
@@ -196,6 +315,24 @@ def unpad(
     for i, attention in enumerate(padded.attention_mask):
         n_prompt = sum(attention[:width_p])
         n_response = sum(attention[width_p:])
+
+        def cut(values: list[list[float]] | None, i: int = i, n: int = n_response) -> list | None:
+            return None if values is None else list(values[i][:n])
+
+        sampling = None
+        if padded.temperature is not None and padded.top_k is not None and padded.top_p is not None:
+            sampling = response_sampling(
+                [
+                    Sampling(float(t), float(p), int(k))
+                    for t, k, p in zip(
+                        padded.temperature[i][:n_response],
+                        padded.top_k[i][:n_response],
+                        padded.top_p[i][:n_response],
+                        strict=True,
+                    )
+                ],
+                padded.response_mask[i][:n_response],
+            )
         rows.append(
             VerlRow(
                 prompt=padded.prompts[i][width_p - n_prompt :],
@@ -206,6 +343,10 @@ def unpad(
                 advantage=float(advantages[i]),
                 rollout_id=rollout_ids[i],
                 group_id=group_ids[i],
+                sampling=sampling,
+                old_logprobs=cut(padded.old_logprobs),
+                is_weights=cut(padded.is_weights),
+                ref_logprobs=cut(padded.ref_logprobs),
             )
         )
     return rows
@@ -222,15 +363,23 @@ def filler(row: VerlRow) -> VerlRow:
     (``pad_dataproto_to_divisor``) repeats real rows, which would count them twice;
     a filler adds tokens to the forward and nothing to any sum.
     """
+    zeros = [0.0] * len(row.response)
+
+    def like(values: list[float] | None) -> list[float] | None:
+        return None if values is None else list(zeros)  # the same optional fields as row's
+
     return VerlRow(
         prompt=list(row.prompt),
         response=list(row.response),
         response_mask=[0] * len(row.response),
-        logprobs=[0.0] * len(row.response),
-        weights=[0.0] * len(row.response),
+        logprobs=list(zeros),
+        weights=list(zeros),
         advantage=0.0,
         rollout_id="",
         group_id="",
+        old_logprobs=like(row.old_logprobs),
+        is_weights=like(row.is_weights),
+        ref_logprobs=like(row.ref_logprobs),
     )
 
 

@@ -48,6 +48,7 @@ _CARRIED = {
     "stop_sequences",
     "temperature",
     "top_p",
+    "top_k",  # not OpenAI's, but vLLM's (and the embedded server's)
     "stream",
     "tools",
     "tool_choice",
@@ -134,7 +135,7 @@ def _chat(body: dict[str, Any], counting: bool) -> dict[str, Any]:
 
 
 def _sampling(body: dict[str, Any], ignored: set[str]) -> dict[str, Any]:
-    chat = {k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None}
+    chat = {k: body[k] for k in ("temperature", "top_p", "top_k") if body.get(k) is not None}
     if body.get("stop_sequences"):
         chat["stop"] = body["stop_sequences"]
     output = body.get("output_config") or {}
