@@ -12,9 +12,10 @@ called with the mapping), so one harness runs either way::
         ...
         await agent.finish(reward=1.0)
 
-``finish`` posts the reward event and sets the attempt's status; both are idempotent, so
-a retried report changes nothing. An attempt that ends without ``finish`` is failed by
-the controller ("agent exited without reporting a status").
+``finish`` posts the reward event (with the rollout's other metrics, if any) and sets the
+attempt's status; both are idempotent, so a retried report changes nothing. An attempt
+that ends without ``finish`` is failed by the controller ("agent exited without
+reporting a status").
 
 ``python -m agl.agent MODULE:FUNCTION`` runs one attempt of a Python harness from this
 process's environment: what an agent container (a Kubernetes Job) runs. It exits 0 when
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import sys
 import uuid
@@ -111,23 +113,40 @@ class AgentContext:
         reward: float | None = None,
         error: str | None = None,
         http: httpx.AsyncClient | None = None,
+        metrics: Mapping[str, float] | None = None,
     ) -> None:
         """Report the reward (if any), then the attempt's end: succeeded, or failed with
         ``error``. Event ids are derived from the attempt, so a repeated ``finish``
-        appends nothing."""
+        appends nothing.
+
+        ``metrics`` (name -> number) ride on the reward event, as
+        ``{"value": reward, "metrics": {...}}``: what the rollout did besides its reward
+        (the trainer reports their means). Non-finite values are left out (a metric
+        undefined for this rollout has no value), and so is the key when none is left;
+        without a reward there is no event to carry them."""
         gateway = self.client(http)
         try:
             if reward is not None:
+                data: dict[str, Any] = {"value": float(reward)}
+                finite = _finite(metrics or {})
+                if finite:
+                    data["metrics"] = finite
                 event = EventIn(
                     event_id=_event_id(self.rollout_id, self.attempt, "reward"),
                     type="reward",
-                    data={"value": float(reward)},
+                    data=data,
                 )
                 await gateway.post_events(self.rollout_id, self.attempt, [event])
             status = Status.FAILED if error is not None else Status.SUCCEEDED
             await gateway.patch_attempt(self.rollout_id, self.attempt, status, error=error)
         finally:
             await gateway.close()
+
+
+def _finite(metrics: Mapping[str, float]) -> dict[str, float]:
+    # JSON has no NaN or infinity (the store would refuse or mangle them).
+    values = {str(name): float(value) for name, value in metrics.items()}
+    return {name: value for name, value in values.items() if math.isfinite(value)}
 
 
 def _event_id(rollout_id: str, attempt: int, name: str) -> str:

@@ -11,8 +11,11 @@ BPE-dropout makes it real, and the merge strategies are checked on the resulting
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -26,6 +29,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agl.agent import AgentContext
 from agl.backends.inference.engine import Engine, SamplingParams
@@ -37,9 +42,11 @@ from agl.core.types import BreakReason, ModelCall, Sample
 from agl.testing.processes import GatewayProcess, ServeProcess, gateway_process, serve_process
 from experiments.guess.data import train_inputs, val_inputs
 from experiments.guess.harness import (
+    FEEDBACK_IN_RANGE,
     HIGHER,
     LOWER,
     NOT_A_NUMBER,
+    REPEATED_GUESSES,
     Ask,
     Game,
     GameInputError,
@@ -144,6 +151,78 @@ def ask_constant(text: str) -> Ask:
     return ask
 
 
+def ask_replies(*replies: str) -> Ask:
+    texts = iter(replies)
+
+    async def ask(messages: list[Message]) -> str:
+        return next(texts)
+
+    return ask
+
+
+def test_an_episode_reports_how_it_used_the_feedback() -> None:
+    def metrics(target: int, *replies: str) -> dict[str, float]:
+        return asyncio.run(play(Game(target=target), ask_replies(*replies))).metrics
+
+    # "higher, 4 to 8", then 2 and 3 outside it; 3 repeats a refuted number.
+    assert metrics(6, "maybe 3", "maybe 2", "maybe 3") == {
+        FEEDBACK_IN_RANGE: 0.0,
+        REPEATED_GUESSES: 0.5,
+    }
+    # No number keeps the range at 1..8: 5 lies in it, then 6 in "higher, 6 to 8".
+    assert metrics(6, "hmm", "maybe 5", "maybe 6") == {FEEDBACK_IN_RANGE: 1.0, REPEATED_GUESSES: 0}
+    # A reply with no number after the first counts as outside, and repeats nothing.
+    assert metrics(1, "maybe 4", "no idea", "maybe 2") == {
+        FEEDBACK_IN_RANGE: 0.5,
+        REPEATED_GUESSES: 0.0,
+    }
+    # Won at the first guess: no later guess, nothing to say about the feedback.
+    assert metrics(4, "maybe 4") == {}
+
+
+_STATED = re.compile(r"(\d+) to (\d+)")
+
+
+def stated_ranges(messages: list[Message]) -> list[tuple[int, int]]:
+    """The range stated in the user message before each assistant turn, read from text."""
+    return [
+        (int(low), int(high))
+        for before, message in itertools.pairwise(messages)
+        if message["role"] == "assistant"
+        for low, high in [_STATED.findall(before["content"])[-1]]
+    ]
+
+
+def expected_metrics(guesses: list[int | None], ranges: list[tuple[int, int]]) -> dict[str, float]:
+    """The metrics, recomputed from the guesses and the ranges the model was shown."""
+    if len(guesses) < 2:
+        return {}
+    later = list(zip(guesses[1:], ranges[1:], strict=True))
+    inside = [g is not None and lo <= g <= hi for g, (lo, hi) in later]
+    repeats = [g is not None and g in guesses[:i] for i, g in enumerate(guesses) if i]
+    return {
+        FEEDBACK_IN_RANGE: sum(inside) / len(later),
+        REPEATED_GUESSES: sum(repeats) / len(later),
+    }
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 8),
+    st.integers(1, 5),
+    st.lists(st.one_of(st.none(), st.integers(0, 10)), min_size=5, max_size=5),
+)
+def test_the_metrics_follow_what_the_model_was_shown(
+    target: int, max_turns: int, guesses: list[int | None]
+) -> None:
+    replies = ["hmm" if g is None else f"maybe {g}" for g in guesses]
+    episode = asyncio.run(play(Game(target=target, max_turns=max_turns), ask_replies(*replies)))
+    assert episode.ranges == stated_ranges(episode.messages)
+    assert episode.metrics == pytest.approx(expected_metrics(episode.guesses, episode.ranges))
+    for value in episode.metrics.values():
+        assert 0 <= value <= 1
+
+
 def test_the_harness_can_think_before_each_call() -> None:
     """bench/async.py's agent latency: a lognormal wait before every model call."""
     game = Game.from_input({"target": 2, "think_median_s": 0.01, "think_sigma": 0.0})
@@ -215,7 +294,8 @@ def assert_played(stack: Stack, agent: AgentContext) -> None:
     with GatewayClient(stack.gateway.url, stack.gateway.token) as admin:
         rollout = admin.get_rollout(agent.rollout_id)
         calls = [e.data for e in admin.get_events(agent.rollout_id, type="model_request")]
-        rewards = [e.data["value"] for e in admin.get_events(agent.rollout_id, type="reward")]
+        reported = [e.data for e in admin.get_events(agent.rollout_id, type="reward")]
+    rewards = [data["value"] for data in reported]
     assert rollout.status == Status.SUCCEEDED, rollout.error
     assert 1 <= len(calls) <= agent.input["max_turns"]
     game = Game.from_input(agent.input)
@@ -232,6 +312,10 @@ def assert_played(stack: Stack, agent: AgentContext) -> None:
     won = answer is None
     assert len(calls) == agent.input["max_turns"] or won
     assert rewards == [1.0 if won else 0.0]
+    # The metrics, as the model saw the game: its replies and the ranges in its prompts.
+    guesses = [parse_guess(call["response"] or "") for call in calls]
+    ranges = [stated_ranges([*call["messages"], {"role": "assistant"}])[-1] for call in calls]
+    assert reported[0].get("metrics", {}) == pytest.approx(expected_metrics(guesses, ranges))
 
 
 def test_the_harness_plays_through_the_gateway(stack: Stack) -> None:
@@ -252,6 +336,26 @@ def test_the_harness_runs_as_a_command(stack: Stack) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert_played(stack, agent)
+
+
+def test_finish_puts_the_finite_metrics_on_the_reward_event(stack: Stack) -> None:
+    sent = [
+        {"a": 0.25, "n": 3, "nan": math.nan, "inf": math.inf},
+        {"nan": math.nan},
+        None,
+    ]
+    received = []
+    for metrics in sent:
+        agent = stack.attempt({"target": 5, **OPTIONS})
+        asyncio.run(agent.finish(reward=0.5, metrics=metrics))
+        with GatewayClient(stack.gateway.url, stack.gateway.token) as admin:
+            received.append([e.data for e in admin.get_events(agent.rollout_id, type="reward")])
+            assert admin.get_rollout(agent.rollout_id).status == Status.SUCCEEDED
+    assert received == [
+        [{"value": 0.5, "metrics": {"a": 0.25, "n": 3.0}}],
+        [{"value": 0.5}],  # nothing finite left: no key
+        [{"value": 0.5}],
+    ]
 
 
 def test_a_bad_input_fails_the_attempt_with_a_reason(stack: Stack) -> None:

@@ -3,7 +3,10 @@
 The user states a range; each assistant turn is a guess (the first integer of the reply,
 so "maybe 7" guesses 7); the user answers "higher", "lower", or "a number, please" (a reply
 without a number still costs its turn), each followed by the range the target is known to
-lie in. Reward 1.0 when the target is hit within ``max_turns``, else 0.0.
+lie in. Reward 1.0 when the target is hit within ``max_turns``, else 0.0. Besides the
+reward, a rollout reports ``feedback_in_range`` (the share of its later guesses inside the
+range stated just before them: what only reading the feedback raises) and
+``repeated_guesses``.
 
 Like any real harness it appends each reply to the history as the *text* it received, so
 the next prompt is a retokenization of that text: the natural drift agl studies.
@@ -23,7 +26,7 @@ import os
 import random
 import re
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,6 +155,45 @@ def feedback(guess: int | None, target: int, low: int, high: int) -> tuple[str |
     return f"{LOWER}, {low} to {high}", low, high
 
 
+# The metrics a rollout reports besides its reward (AgentContext.finish's ``metrics``).
+FEEDBACK_IN_RANGE = "feedback_in_range"
+REPEATED_GUESSES = "repeated_guesses"
+
+Range = tuple[int, int]
+
+
+def in_range_counts(guesses: Sequence[int | None], ranges: Sequence[Range]) -> tuple[int, int]:
+    """(how many, of how many) of the guesses after the first lie inside the range the
+    user stated just before them; a reply with no number counts as outside.
+
+    Reward alone cannot show that a player reads the feedback: under the house's weights
+    the blind sequence 3, 4, 5 already wins 10 times in 16. Only a player that reads the
+    range can keep its later guesses inside it (baselines.py has the figures)."""
+    later = list(zip(guesses[1:], ranges[1:], strict=True))
+    inside = sum(g is not None and low <= g <= high for g, (low, high) in later)
+    return inside, len(later)
+
+
+def repeat_counts(guesses: Sequence[int | None]) -> tuple[int, int]:
+    """(how many, of how many) of the guesses after the first name a number guessed
+    before: a turn thrown away, whatever the feedback said (a reply with no number
+    repeats nothing)."""
+    seen: set[int] = set()
+    repeats = 0
+    for guess in guesses:
+        if guess is not None:
+            repeats += guess in seen
+            seen.add(guess)
+    return repeats, max(len(guesses) - 1, 0)
+
+
+def share(counts: tuple[int, int]) -> float | None:
+    """``k / n``, or None where there is nothing to count (a game won at the first
+    guess has no later guess: it says nothing about reading the feedback)."""
+    k, n = counts
+    return k / n if n else None
+
+
 @dataclass
 class Episode:
     """One game: the chat as the harness built it, and how it ended."""
@@ -159,11 +201,22 @@ class Episode:
     messages: list[Message] = field(default_factory=list)
     replies: list[str] = field(default_factory=list)
     guesses: list[int | None] = field(default_factory=list)
+    # The range the user had stated when each guess was made (the opening's for the first).
+    ranges: list[Range] = field(default_factory=list)
     won: bool = False
 
     @property
     def reward(self) -> float:
         return 1.0 if self.won else 0.0
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The rollout's metrics besides its reward; one left out where it has no value."""
+        values = {
+            FEEDBACK_IN_RANGE: share(in_range_counts(self.guesses, self.ranges)),
+            REPEATED_GUESSES: share(repeat_counts(self.guesses)),
+        }
+        return {name: value for name, value in values.items() if value is not None}
 
 
 async def play(game: Game, ask: Ask, rng: random.Random | None = None) -> Episode:
@@ -182,6 +235,7 @@ async def play(game: Game, ask: Ask, rng: random.Random | None = None) -> Episod
         episode.messages.append({"role": "assistant", "content": reply})
         episode.replies.append(reply)
         episode.guesses.append(guess)
+        episode.ranges.append((low, high))
         answer, low, high = feedback(guess, game.target, low, high)
         if answer is None:
             episode.won = True
@@ -239,7 +293,7 @@ async def _attempt(agent: AgentContext, http: httpx.AsyncClient) -> None:
     except openai.APIStatusError as error:
         await agent.finish(error=f"model call refused: {error}", http=http)
         return
-    await agent.finish(reward=episode.reward, http=http)
+    await agent.finish(reward=episode.reward, metrics=episode.metrics, http=http)
 
 
 def main() -> None:
