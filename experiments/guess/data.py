@@ -30,7 +30,9 @@ def _check(n: int, low: int, high: int, max_turns: int) -> None:
         raise ValueError(f"bad task: n={n}, low={low}, high={high}, max_turns={max_turns}")
 
 
-def _weights(low: int, high: int, target_weights: Sequence[float] | None) -> list[float]:
+def house_weights(low: int, high: int, target_weights: Sequence[float] | None) -> list[float]:
+    """One weight per number of ``low..high``: ``target_weights`` checked, or uniform for
+    None (also what ``baselines.py`` computes its figures under)."""
     span = high - low + 1
     if target_weights is None:
         return [1.0] * span
@@ -57,7 +59,7 @@ def train_inputs(
     (uniform by default), the same for the same ``(seed, step)`` (a resumed run replays
     its data)."""
     _check(n, low, high, max_turns)
-    weights = _weights(low, high, target_weights)
+    weights = house_weights(low, high, target_weights)
     # A string seed is hashed with SHA-512: stable across processes and Python versions.
     rng = random.Random(f"guess-train:{seed}:{step}")
     targets = rng.choices(range(low, high + 1), weights, k=n)
@@ -77,7 +79,7 @@ def val_inputs(
     each of ``n`` evenly spaced quantiles), so validation has no data noise; uniform
     weights spread the targets evenly over the range."""
     _check(n, low, high, max_turns)
-    weights = _weights(low, high, target_weights)
+    weights = house_weights(low, high, target_weights)
     cumulative = list(itertools.accumulate(weights))
     total = cumulative[-1]
     targets = [low + bisect.bisect_right(cumulative, (i + 0.5) * total / n) for i in range(n)]
