@@ -97,6 +97,19 @@ def test_val_inputs_are_fixed_and_follow_the_house_weights() -> None:
     assert Counter(e["target"] for e in uniform) == {t: 8 for t in range(1, 9)}
 
 
+def test_the_uniform_validation_set_is_fixed_and_uniform() -> None:
+    """``task.val_sets.uniform``: the same fixed games with uniform targets, where the
+    best feedback-blind player scores 3/8 (baselines.py), so a reward above it shows the
+    feedback was read."""
+    extra = TASK["val_sets"]["uniform"]
+    options = OPTIONS | extra["options"]
+    assert options["target_weights"] is None
+    val = val_inputs(128, **options, **(SAMPLING | extra.get("sampling", {})))
+    assert val == val_inputs(128, **options, **SAMPLING)
+    assert Counter(e["target"] for e in val) == {t: 16 for t in range(1, 9)}
+    assert val != val_inputs(128, **OPTIONS, **SAMPLING)
+
+
 def test_train_targets_follow_the_house_weights() -> None:
     counts = Counter(e["target"] for e in train_inputs(0, 4000, 0, **OPTIONS))
     weights = OPTIONS["target_weights"]

@@ -77,7 +77,12 @@ def val_inputs(
 ) -> list[dict[str, Any]]:
     """``n`` fixed games whose targets follow the house's weights exactly (the target at
     each of ``n`` evenly spaced quantiles), so validation has no data noise; uniform
-    weights spread the targets evenly over the range."""
+    weights spread the targets evenly over the range.
+
+    No randomness at all: the same options give the same games at every step and in
+    every run, for the house's weights and for ``target_weights=None`` alike (uniform:
+    ``task.val_sets.uniform``, 16 of each number in 128 games), so two validation points
+    differ only by the policy and its sampling."""
     _check(n, low, high, max_turns)
     weights = house_weights(low, high, target_weights)
     cumulative = list(itertools.accumulate(weights))
