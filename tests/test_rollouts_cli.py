@@ -638,11 +638,13 @@ def test_load_run_refuses_what_is_not_a_run(
 def test_ls_step_selects_a_training_step(real_run: tuple[Path, GatewayProcess]) -> None:
     _, gw = real_run
     step1 = ids_of(ok(cli(gw, "ls", "--step", "1")))
-    # Step 1 trained on batch 0 (4 groups x 8) and validated 4 games.
+    # Step 1 trained on batch 0 (4 groups x 8) and validated 4 games, and 4 of the uniform
+    # validation set (task.val_sets.uniform).
+    val = [f"v{{}}.{i}" for i in range(4)] + [f"v{{}}.uniform.{i}" for i in range(4)]
     assert sorted(step1) == sorted(
-        [f"t0.{j}.{k}" for j in range(4) for k in range(8)] + [f"v1.{i}" for i in range(4)]
+        [f"t0.{j}.{k}" for j in range(4) for k in range(8)] + [v.format(1) for v in val]
     )
-    assert sorted(ids_of(ok(cli(gw, "ls", "--step", "0")))) == [f"v0.{i}" for i in range(4)]
+    assert sorted(ids_of(ok(cli(gw, "ls", "--step", "0")))) == sorted(v.format(0) for v in val)
 
 
 @pytest.fixture(scope="module")

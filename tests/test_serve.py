@@ -111,23 +111,42 @@ def served() -> Iterator[Served]:
 
 
 def teacher_forced(
-    model: torch.nn.Module, prompt: list[int], response: list[int], temperature: float
+    model: torch.nn.Module,
+    prompt: list[int],
+    response: list[int],
+    temperature: float,
+    top_p: float = 1.0,
 ) -> list[float]:
-    """log_softmax(logits / T) of each response token, from one forward over everything."""
+    """Each response token's logprob under the distribution it was sampled from
+    (log_softmax(logits / T), truncated to the top-p nucleus and renormalised; greedy:
+    untransformed), from one forward over everything. Written out here, not with
+    agl.backends.sampling, so that a drift of the engine's transform shows."""
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + response])).logits[0].float()
-    scaled = logits / (temperature if temperature > 0 else 1.0)
-    logp = torch.log_softmax(scaled[len(prompt) - 1 : -1], -1)
+    greedy = temperature == 0
+    scaled = logits[len(prompt) - 1 : -1] / (1.0 if greedy else temperature)
+    if top_p < 1 and not greedy:
+        probs = scaled.softmax(-1)
+        ordered, order = probs.sort(-1, descending=True)
+        above = ordered.cumsum(-1) - ordered
+        removed = torch.zeros_like(probs, dtype=torch.bool).scatter(1, order, above >= top_p)
+        scaled = scaled.masked_fill(removed, float("-inf"))
+    logp = torch.log_softmax(scaled, -1)
     return logp.gather(1, torch.tensor(response)[:, None]).squeeze(1).tolist()
 
 
 def assert_logprobs_match(
-    served: Served, prompt: list[int], choice: Any, temperature: float, model: Any = None
+    served: Served,
+    prompt: list[int],
+    choice: Any,
+    temperature: float,
+    model: Any = None,
+    top_p: float = 1.0,
 ) -> None:
     ids = choice.model_extra["token_ids"]
     got = [entry.logprob for entry in choice.logprobs.content]
     assert len(got) == len(ids) > 0
-    want = teacher_forced(model or served.loaded.model, prompt, ids, temperature)
+    want = teacher_forced(model or served.loaded.model, prompt, ids, temperature, top_p)
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOLERANCE
 
 
@@ -165,7 +184,7 @@ def test_logprobs_match_teacher_forcing_under_batching(
     for messages, answer in zip(conversations, asyncio.run(all_of_them()), strict=True):
         prompt = served.prompt_ids(messages)
         assert answer.model_extra["prompt_token_ids"] == prompt
-        assert_logprobs_match(served, prompt, answer.choices[0], temperature)
+        assert_logprobs_match(served, prompt, answer.choices[0], temperature, top_p=top_p)
 
 
 def test_prompt_token_ids_are_the_chat_template_tokens(served: Served) -> None:

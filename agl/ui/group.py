@@ -25,7 +25,7 @@ class Card:
     summary: Summary | None
     transcript: list[MessageView] = field(default_factory=list)
     advantages: dict[str, list[float]] = field(default_factory=dict)  # level -> per sample
-    in_baseline: bool = False  # the trainer would use it: succeeded, with a reward
+    in_baseline: bool = False  # the trainer would score it: a reward, or its agent failed (0)
 
 
 def cards(
@@ -46,19 +46,19 @@ def cards(
         evs = events.get(rollout.rollout_id, [])
         card.transcript = _transcript(evs)
         reward = None if summary is None else summary.reward
-        card.in_baseline = rollout.status is Status.SUCCEEDED and reward is not None
         if rollout.status in (Status.SUCCEEDED, Status.FAILED):
-            finished.append(
-                FinishedRollout(
-                    rollout.rollout_id,
-                    rollout.group_id,
-                    rollout.mode,
-                    rollout.status,
-                    reward,
-                    calls_from_events(evs, rollout.attempt, decode),
-                    rollout.error,
-                )
+            done = FinishedRollout(
+                rollout.rollout_id,
+                rollout.group_id,
+                rollout.mode,
+                rollout.status,
+                reward,
+                calls_from_events(evs, rollout.attempt, decode),
+                rollout.error,
             )
+            # An agent's failure scores 0 in its group; the infrastructure's is left out.
+            card.in_baseline = done.scored_reward() is not None
+            finished.append(done)
         out.append(card)
     if merge is not None and finished:
         by_id = {c.rollout.rollout_id: c for c in out}
