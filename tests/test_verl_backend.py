@@ -411,16 +411,12 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_verl_update_moves_parameters_as_torch_backend(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     samples, advantages = make_batch(5, rollouts=4, max_samples=2)
-    token_scale = [
-        [0.0 if i == len(s) - 1 and j == 0 else 1.0 for i in range(len(s))]
-        for j, s in enumerate(samples)
-    ]  # one dropped (stale) token
     loss = get("loss", "rollout_mean")
     common = {"lr": 1e-3, "clip_low": CLIP_LOW, "clip_high": CLIP_HIGH, "num_mini_batches": 2}
     ref_model = load_model("tiny").model
     before = {k: v.clone() for k, v in ref_model.state_dict().items()}
     reference = TorchBackend(ref_model, TorchBackendConfig(max_tokens_per_micro_batch=40, **common))
-    ref_metrics = reference.train(samples, advantages, loss, token_scale)
+    ref_metrics = reference.train(samples, advantages, loss)
 
     loaded = load_model("tiny")
     engine = _engine(loaded)
@@ -435,7 +431,7 @@ def test_verl_update_moves_parameters_as_torch_backend(tmp_path: Path) -> None:
         # FSDP2 has wrapped the module in place; the engine serves it (inference mode)
         fresh = load_model("tiny").model
         assert _engine_logprobs(engine, [5, 6, 7]) == pytest.approx(_greedy(fresh, [5, 6, 7]))
-        metrics = policy.train(samples, advantages, loss, token_scale)
+        metrics = policy.train(samples, advantages, loss)
         after = policy.state_dict()
         moved = _max_diff(ref_model.state_dict(), before)
         diff = _max_diff(after, ref_model.state_dict())
@@ -452,7 +448,7 @@ def test_verl_update_moves_parameters_as_torch_backend(tmp_path: Path) -> None:
         assert served == pytest.approx(_greedy(plain, [5, 6, 7, 8, 9]), abs=1e-4)
         # save / train / load restores the saved weights
         policy.save(tmp_path)
-        policy.train(samples, advantages, loss, token_scale)
+        policy.train(samples, advantages, loss)
         assert _max_diff(policy.state_dict(), after) > 0
         policy.load(tmp_path)
         assert _max_diff(policy.state_dict(), after) == 0.0

@@ -4,7 +4,12 @@
    two ``TrainingWorker`` processes, gloo, FSDP2's gradient average) moves the
    parameters as ``TorchBackend.train`` does on the same batch: dp averaging times
    ``token-sum``'s ``dp_size`` is agl's loss, on real ranks (``test_verl_backend.py``
-   simulates the split in one process).
+   simulates the split in one process). The batch's tokens were sampled under per-token
+   transforms (temperature, top-p, top-k: each worker's engine scores them under their
+   own), and the step has an entropy bonus, a KL to the reference the workers hold and
+   token TIS (its π_old from the workers' forward-only pass), so the workers' side of
+   all of that is checked too (``test_verl_sampling.py`` checks each alone, in-process,
+   gradient by gradient).
 2. **Rollouts stay in one update.** Every rollout's rows are in one hand-off, each
    hand-off is one AdamW step on every rank, and both ranks got rows of it.
 3. **Weights back, checkpoints.** The trainer's module holds the workers' weights after
@@ -43,7 +48,8 @@ from agl.backends.training.torch import TorchBackend, TorchBackendConfig
 from agl.backends.training.verl import VerlBackendConfig
 from agl.backends.training.verl_ray import RayVerlPolicy, start_ray
 from agl.core.registry import get
-from tests.test_verl_backend import CLIP_HIGH, CLIP_LOW, make_batch
+from tests.test_verl_backend import CLIP_HIGH, CLIP_LOW
+from tests.test_verl_sampling import SAMPLED, sampled_batch
 from tests.train_runs import run_train, trained_two_steps
 
 RANKS = 2
@@ -108,6 +114,11 @@ def _config(**extra: Any) -> dict[str, Any]:
         "clip_high": CLIP_HIGH,
         "num_mini_batches": 2,
         "max_tokens_per_micro_batch": 40,
+        "entropy_coef": 0.01,
+        "kl_coef": 0.1,
+        "kl_type": "k1",  # the reference is the start: k1's gradient is not 0 there
+        "rollout_is": "token",
+        "rollout_is_threshold": 1.02,
         **extra,
     }
 
@@ -116,25 +127,21 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
 
 
-def _batch() -> tuple[list, list[float], list[list[float]]]:
-    samples, advantages = make_batch(5, rollouts=4, max_samples=2)
-    token_scale = [
-        [0.0 if i == len(s) - 1 and j == 0 else 1.0 for i in range(len(s))]
-        for j, s in enumerate(samples)
-    ]  # one dropped (stale) token, as in test_verl_backend
-    return samples, advantages, token_scale
+def _batch() -> tuple[list, list[float]]:
+    """Tokens drawn from tiny under per-token transforms, recorded with noise."""
+    return sampled_batch(load_model("tiny").model.eval(), seed=5, transforms=SAMPLED)
 
 
 @pytest.fixture(scope="module")
 def trained(local_ray: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """A 2-rank policy after one ``train()``, its hand-offs, and the reference run."""
     torch.set_num_threads(1)
-    samples, advantages, token_scale = _batch()
+    samples, advantages = _batch()
     loss = get("loss", "rollout_mean")
     ref_model = load_model("tiny").model
     before = {k: v.clone() for k, v in ref_model.state_dict().items()}
     reference = TorchBackend(ref_model, TorchBackendConfig(**_config()))
-    ref_metrics = reference.train(samples, advantages, loss, token_scale)
+    ref_metrics = reference.train(samples, advantages, loss)
 
     loaded = load_model("tiny")
     pauses = []
@@ -159,7 +166,7 @@ def trained(local_ray: None, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
     policy._update = spy  # type: ignore[method-assign]
     started = time.perf_counter()
-    metrics = policy.train(samples, advantages, loss, token_scale)
+    metrics = policy.train(samples, advantages, loss)
     step_s = time.perf_counter() - started
     policy._update = update  # type: ignore[method-assign]
     try:
@@ -173,7 +180,7 @@ def trained(local_ray: None, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "hand_offs": hand_offs,
             "pauses": pauses,
             "step_s": step_s,
-            "batch": (samples, advantages, token_scale, loss),
+            "batch": (samples, advantages, loss),
         }
     finally:
         policy.close()
@@ -193,6 +200,9 @@ def test_two_ranks_move_parameters_as_torch_backend(trained: dict) -> None:
     assert metrics["mini_batches"] == ref["mini_batches"] == 2
     assert metrics["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-7)
     assert metrics["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    for name in ("entropy", "kl_reference", "correction/is_weight_mean"):
+        assert metrics[name] == pytest.approx(ref[name], rel=1e-4, abs=1e-7), name
+    assert 0 < ref["correction/is_truncated_fraction"] < 1  # TIS bound some tokens
     print(f"2-rank step: {trained['step_s']:.2f}s")
 
 
@@ -221,11 +231,12 @@ def test_rollouts_stay_in_one_update_across_ranks(trained: dict) -> None:
 
 def test_save_load_round_trips_through_verls_checkpoint(trained: dict, tmp_path: Path) -> None:
     policy = trained["policy"]
-    samples, advantages, token_scale, loss = trained["batch"]
+    samples, advantages, loss = trained["batch"]
     saved = policy.state_dict()
     policy.save(tmp_path)
-    assert len(list((tmp_path / "verl").glob("model_world_size_2_rank_*.pt"))) == RANKS
-    policy.train(samples, advantages, loss, token_scale)
+    for folder in ("verl", "verl_reference"):  # the KL reference is kept, a shard per rank
+        assert len(list((tmp_path / folder).glob("model_world_size_2_rank_*.pt"))) == RANKS
+    policy.train(samples, advantages, loss)
     assert _max_diff(policy.state_dict(), saved) > 0
     policy.load(tmp_path)
     assert _max_diff(policy.state_dict(), saved) == 0.0

@@ -24,6 +24,15 @@ weights, mini-batches and the ``TensorDict`` handed over are the in-process path
 4. **Checkpoints** are verl's (``save_checkpoint``/``load_checkpoint`` on every rank, one
    shard per rank under ``folder/verl``); a load pulls the weights back as in 3.
 
+5. **Sampling, reference, correction** as in-process: each worker's engine is verl's
+   FSDP engine with agl's per-token sampling transform (``verl.sampling_engine``,
+   selected through ``VERL_ENGINE_DEVICE`` on every device); with ``kl_coef`` each rank
+   also holds a shard of the KL reference (a second ``TrainingWorker``, loaded from the
+   same folder, so it is the weights the policy started from), and the forward-only
+   passes (π_old for a rollout correction, the reference's logprobs) are
+   :meth:`AglTrainingWorker.agl_logprobs`/``agl_reference_logprobs`` (verl's
+   ``infer_batch`` per dp chunk, answers concatenated in order).
+
 **CPU.** verl has no CPU platform; each worker registers agl's CPU platform
 (:func:`~agl.backends.training.verl.ensure_cpu_platform`) and starts its gloo process
 group from the ``RANK``/``WORLD_SIZE``/``MASTER_*`` env ``RayWorkerGroup`` gives it, in its
@@ -52,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 from verl.single_controller.base.decorator import (
     Dispatch,
     dispatch_lazy_compute_data_proto,
+    make_nd_compute_dataproto_dispatch_fn,
     register,
 )
 from verl.workers.engine_workers import TrainingWorker
@@ -59,9 +69,12 @@ from verl.workers.engine_workers import TrainingWorker
 from agl.backends.training.verl import (
     VerlBackendConfig,
     VerlPolicy,
+    _env,
     ensure_cpu_platform,
     ensure_process_group,
     loss_fn,
+    register_sampling_engine,
+    response_logprobs,
     worker_config,
 )
 
@@ -96,43 +109,68 @@ def _rank_zero(worker_group: Any, output: list[Any]) -> Any:
 
 TRAIN_DISPATCH = {"dispatch_fn": _train_dispatch, "collect_fn": _rank_zero}
 ONE_TO_ALL_RANK_ZERO = {"dispatch_fn": _to_all, "collect_fn": _rank_zero}
-
-
-def _register_cpu_engine() -> None:
-    """verl's own FSDP engine (``FSDPEngineWithLMHead``, unchanged) under device ``cpu``
-    too: verl registers it for ``cuda``/``npu`` only, and picks by the platform's device."""
-    from verl.workers.engine import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-
-    registry = EngineRegistry._engines["language_model"]
-    if all("cpu" in registry[b] for b in ("fsdp", "fsdp2")):
-        return
-    register_engine = EngineRegistry.register(
-        model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu"
-    )
-    register_engine(FSDPEngineWithLMHead)
+# One chunk per dp rank, the ranks' answers concatenated in order (verl's infer_batch mesh).
+INFER_DISPATCH = make_nd_compute_dataproto_dispatch_fn(mesh_name="train")
 
 
 class AglTrainingWorker(TrainingWorker):
     """verl's ``TrainingWorker`` with agl's device setup and the methods the trainer
-    calls through the worker group (verl's ``@register`` dispatch)."""
+    calls through the worker group (verl's ``@register`` dispatch).
 
-    def __init__(self, config: Any, device: str, threads: int) -> None:
+    The engine is verl's FSDP engine with agl's per-token sampling transform
+    (``verl.sampling_engine``, on every device). ``reference`` (a worker config): this
+    rank also holds the KL reference, a second ``TrainingWorker`` only run forward, as
+    verl's ``ActorRolloutRefWorker`` holds its ``ref`` (built by
+    :meth:`agl_reference_reset`).
+    """
+
+    def __init__(
+        self, config: Any, device: str, threads: int, reference: Any | None = None
+    ) -> None:
         import torch
 
         torch.set_num_threads(max(1, threads))
         if device == "cpu":
             # Before verl's __init__: it starts NCCL on the CUDA platform it falls back to.
             ensure_cpu_platform()
-            _register_cpu_engine()
             ensure_process_group()  # gloo, from RayWorkerGroup's RANK/WORLD_SIZE/MASTER_*
-        super().__init__(config)
+        with _env("VERL_ENGINE_DEVICE", register_sampling_engine()):
+            super().__init__(config)
+            self.agl_reference = TrainingWorker(reference) if reference is not None else None
 
     @register(dispatch_mode=TRAIN_DISPATCH)
     def agl_train(self, data: TensorDict) -> TensorDict | None:
         """``train_mini_batch`` on this rank's chunk; the metrics (rank 0's answered)."""
         output = self.train_mini_batch(data)
         return output.cpu() if output is not None else None
+
+    @register(dispatch_mode=INFER_DISPATCH)
+    def agl_logprobs(self, data: TensorDict) -> TensorDict | None:
+        """This rank's chunk's response logprobs under the current weights (π_old)."""
+        return response_logprobs(self, data)
+
+    @register(dispatch_mode=INFER_DISPATCH)
+    def agl_reference_logprobs(self, data: TensorDict) -> TensorDict | None:
+        """This rank's chunk's response logprobs under the KL reference."""
+        return response_logprobs(self._reference(), data)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def agl_reference_reset(self) -> None:
+        """Build the reference's engine (FSDP-shards it over the ranks: all must call)."""
+        self._reference().reset()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def agl_reference_save(self, local_path: str) -> None:
+        self._reference().save_checkpoint(local_path)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def agl_reference_load(self, local_path: str) -> None:
+        self._reference().load_checkpoint(local_path, del_local_after_load=False)
+
+    def _reference(self) -> TrainingWorker:
+        if self.agl_reference is None:
+            raise RuntimeError("this worker holds no KL reference (kl_coef was 0)")
+        return self.agl_reference
 
     @register(dispatch_mode=ONE_TO_ALL_RANK_ZERO)
     def agl_full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -239,11 +277,13 @@ class RayWorkers:
             threads = config.torch_threads
             if device == "cpu":
                 threads = max(1, threads // ranks)
+            reference = worker_config(config, model_path, True) if config.kl_coef else None
             worker = RayClassWithInitArgs(
                 ray.remote(AglTrainingWorker),
                 config=worker_config(config, model_path),
                 device=device,
                 threads=threads,
+                reference=reference,
             )
             group = RayWorkerGroup(
                 resource_pool=pool,
@@ -253,6 +293,9 @@ class RayWorkers:
             )
             group.reset()  # every rank builds verl's FSDP engine from the folder
             group.set_loss_fn(loss_fn(config))
+            if reference is not None:
+                # the same folder: the reference is the weights the policy started from
+                group.agl_reference_reset()
         except BaseException:
             if started:
                 ray.shutdown()
@@ -324,6 +367,11 @@ class RayVerlPolicy(VerlPolicy):
     def _update(self, td: TensorDict) -> Any:
         return self.workers.group.agl_train(td)
 
+    def _infer(self, td: TensorDict, reference: bool) -> torch.Tensor:
+        group = self.workers.group
+        output = group.agl_reference_logprobs(td) if reference else group.agl_logprobs(td)
+        return output["log_probs"]
+
     def _refresh(self) -> None:
         self._pull()
 
@@ -348,12 +396,17 @@ class RayVerlPolicy(VerlPolicy):
             raise RuntimeError(f"weights from verl: missing {missing}, unexpected {unexpected}")
 
     def save(self, folder: Path) -> None:
-        """verl's FSDP checkpoint (a shard per rank: model, optimizer, lr scheduler)."""
+        """verl's FSDP checkpoint (a shard per rank: model, optimizer, lr scheduler), and
+        the KL reference's weights (a shard per rank)."""
         self.workers.group.save_checkpoint(str(folder / self.CHECKPOINT))
+        if self.config.kl_coef:
+            self.workers.group.agl_reference_save(str(folder / self.REFERENCE))
 
     def load(self, folder: Path) -> None:
         path = str(folder / self.CHECKPOINT)
         self.workers.group.load_checkpoint(path, del_local_after_load=False)
+        if self.config.kl_coef and (folder / self.REFERENCE).is_dir():
+            self.workers.group.agl_reference_load(str(folder / self.REFERENCE))
         self._pull()
 
     def close(self) -> None:
