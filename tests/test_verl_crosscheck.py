@@ -1,4 +1,5 @@
-"""Cross-checks of agl's loss weights and advantages against verl 0.9.1 itself.
+"""Cross-checks of agl's loss weights, advantages, KL estimators and rollout correction
+against verl 0.9.1 itself.
 
 verl's conventions (verl 0.9.1, ``verl/trainer/ppo/core_algos.py``), which agl follows:
 
@@ -17,6 +18,18 @@ verl's conventions (verl 0.9.1, ``verl/trainer/ppo/core_algos.py``), which agl f
   mean of the *other* members. A group of one keeps its raw reward r (no baseline).
   (verl's ``rloo_vectorized`` gives 0 there instead; the registered "rloo" is this one.)
 - Both broadcast the scalar over the response tokens (``adv * response_mask``).
+
+One deliberate deviation: agl gives a group of one advantage 0 under both estimators
+(``agl/core/estimators.py``: no baseline, so no signal), where verl gives grpo's lone
+member ``r / (1 + 1e-6)`` and rloo's ``r``. The tests state it where it shows.
+
+- ``kl_penalty`` (``core_algos``): agl's ``agl/backends/training/penalties.kl_penalty``
+  is the same function, every kind with and without the ``+`` (straight-through k2
+  gradient) suffix: values and gradients.
+- Rollout correction (``verl/trainer/ppo/rollout_corr_helper.py``): agl's list version
+  (``agl/core/correction.py``) gives the weights of ``compute_rollout_correction_weights``
+  (token and sequence TIS, IcePop) and the masks of ``compute_rollout_rejection_mask``
+  (every ``rollout_rs`` option, chained, with one or per-option thresholds).
 
 The module is skipped where verl is not installed; verl is computed in float64 here so the
 comparison is not limited by float32 rounding.
@@ -40,7 +53,13 @@ pytest.importorskip(
 import numpy as np
 import torch
 from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.rollout_corr_helper import (
+    compute_rollout_correction_weights,
+    compute_rollout_rejection_mask,
+)
 
+from agl.backends.training.penalties import KL_KINDS, kl_penalty
+from agl.core.correction import RS_OPTIONS, CorrectionConfig, correct
 from agl.core.registry import get
 from agl.core.types import Sample
 
@@ -231,6 +250,14 @@ group_rewards = st.lists(
 )
 
 
+def _alone(samples: list[Sample]) -> np.ndarray:
+    """Which samples are the only member of their group (agl: advantage 0, not verl's)."""
+    sizes: dict[str, int] = {}
+    for s in samples:
+        sizes[s.group_id] = sizes.get(s.group_id, 0) + 1
+    return np.array([sizes[s.group_id] == 1 for s in samples])
+
+
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])
 @CHECKS
 @given(groups=group_rewards, seed=st.integers(0, 2**32 - 1))
@@ -239,6 +266,8 @@ def test_rollout_advantage_equals_verl_at_one_sample_per_rollout(estimator, grou
     ours = get("advantage", "rollout")(samples, rewards, estimator=estimator)
     assert len(ours) == len(samples)
     ref = _verl_advantages(samples, rewards, estimator)
+    # the deviation: a group of one gets 0 from agl, its (scaled) reward from verl
+    ref = np.where(_alone(samples), 0.0, ref)
     np.testing.assert_allclose(np.array(ours, dtype=np.float64), ref, rtol=TOL, atol=TOL)
 
 
@@ -271,4 +300,116 @@ def test_rollout_advantage_conventions_examples(estimator, groups, expected):
     # verl as documented (its singleton std is a float32 1.0, hence rtol 1e-7, not 1e-9)
     np.testing.assert_allclose(ref, expected, rtol=1e-7, atol=1e-9)
     ours = get("advantage", "rollout")(samples, rewards, estimator=estimator)
+    if len(samples) == 1:  # the deviation: agl gives a group of one no signal
+        ref = np.zeros_like(ref)
     np.testing.assert_allclose(np.array(ours, dtype=np.float64), ref, rtol=TOL, atol=TOL)
+
+
+# ----------------------------------------------------------------------------- KL estimators
+
+
+@pytest.mark.parametrize("kind", [k + plus for k in KL_KINDS for plus in ("", "+")])
+@CHECKS
+@given(
+    pairs=st.lists(st.tuples(st.floats(-30.0, 0.0), st.floats(-30.0, 0.0)), min_size=1, max_size=20)
+)
+def test_kl_penalty_equals_verl_values_and_gradients(kind, pairs):
+    def run(fn):
+        logp = torch.tensor([p for p, _ in pairs], dtype=torch.float64, requires_grad=True)
+        ref = torch.tensor([r for _, r in pairs], dtype=torch.float64)
+        value = fn(logp, ref, kind)
+        (value * torch.linspace(0.5, 1.5, len(pairs), dtype=torch.float64)).sum().backward()
+        return value.detach(), logp.grad
+
+    ours, theirs = run(kl_penalty), run(core_algos.kl_penalty)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b), (kind, a, b)
+
+
+# ----------------------------------------------------------------------------- rollout correction
+
+# Log-ratios on a grid of 1/8 (and past verl's ±20 clamp), thresholds off it: a statistic
+# never sits within rounding of a bound, where verl's float sums and its masked mean's
+# 1e-8 in the denominator could tip a comparison that agl's exact sums do not.
+grid_ratios = st.one_of(
+    st.integers(-40, 40).map(lambda k: k / 8), st.sampled_from([-27.5, 23.0, 21.125])
+)
+# verl needs one valid token in the batch (its metrics divide by the count)
+ratio_rows = st.lists(st.lists(grid_ratios, min_size=0, max_size=8), min_size=1, max_size=6).filter(
+    lambda rows: any(rows)
+)
+
+
+def _verl_layout(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``(B, W)`` log-ratios (garbage on padding) and the response mask."""
+    width = max(1, *(len(r) for r in rows))
+    ratio = torch.full((len(rows), width), 3.25, dtype=torch.float64)
+    mask = torch.zeros((len(rows), width), dtype=torch.float64)
+    for i, row in enumerate(rows):
+        ratio[i, : len(row)] = torch.tensor(row, dtype=torch.float64)
+        mask[i, : len(row)] = 1.0
+    return ratio, mask
+
+
+@CHECKS
+@given(
+    rows=ratio_rows,
+    level=st.sampled_from(["token", "sequence"]),
+    threshold=st.sampled_from([2.0, 1.37, 5.5, "0.5_2.0", "0.83_1.21", "0.1_9.3"]),
+)
+def test_correction_weights_equal_verl(rows, level, threshold):
+    ours = correct(rows, CorrectionConfig(rollout_is=level, rollout_is_threshold=threshold))
+    ratio, mask = _verl_layout(rows)
+    try:
+        theirs, _ = compute_rollout_correction_weights(ratio, mask, level, threshold)
+    except ZeroDivisionError:
+        # verl's effective-sample-size metric divides by the weights' mean square: when
+        # IcePop zeroes every weight verl fails; agl answers the zeros
+        assert all(w == 0.0 for row in ours.weights for w in row)
+        return
+    for i, row in enumerate(ours.weights):
+        np.testing.assert_allclose(row, theirs[i, : len(row)].numpy(), rtol=1e-12, atol=0)
+        assert not theirs[i, len(row) :].any()  # verl zeroes the padding; agl has none
+    assert all(all(k) for k in ours.keep)  # weights alone reject nothing
+
+
+K1_THRESHOLDS = [1.2, 1.7, 3.0, 20.0, "0.6_1.4", "0.31_1.09"]
+UPPER_THRESHOLDS = [0.3137, 1.0718, 7.7391, 0.0517, 0.8123, 4.0311]
+SHARED_THRESHOLDS = [1.2, 1.7, 3.0, 20.0, 1.0718, 4.0311, 7.7391]
+
+
+@st.composite
+def rs_specs(draw):
+    """One to three ``rollout_rs`` options with one shared or one per-option threshold."""
+    options = draw(st.lists(st.sampled_from(RS_OPTIONS), min_size=1, max_size=3, unique=True))
+
+    def threshold(option: str) -> float | str:
+        return draw(st.sampled_from(K1_THRESHOLDS if option.endswith("k1") else UPPER_THRESHOLDS))
+
+    if draw(st.booleans()):  # one number for all: a k1 ratio bound must be >= 1
+        spec: float | str = draw(st.sampled_from(SHARED_THRESHOLDS))
+    else:
+        spec = ",".join(str(threshold(o)) for o in options)
+    return ",".join(options), spec
+
+
+@CHECKS
+@given(rows=ratio_rows, spec=rs_specs())
+def test_rejection_masks_equal_verl(rows, spec):
+    options, threshold = spec
+    ours = correct(rows, CorrectionConfig(rollout_rs=options, rollout_rs_threshold=threshold))
+    ratio, mask = _verl_layout(rows)
+    theirs, _ = compute_rollout_rejection_mask(ratio, mask, options, threshold)
+    for i, keep in enumerate(ours.keep):
+        assert keep == [bool(x) for x in theirs[i, : len(keep)]], (i, rows[i])
+    assert all(w == 1.0 for row in ours.weights for w in row)  # no IS: weight 1
+
+
+def test_rejection_example_by_hand():
+    """token_k1 at 2 keeps ratios in [1/2, 2]; seq_mean_k3 rejects a whole sample."""
+    rows = [[0.0, 0.75, -0.75], [2.0, 0.125]]
+    config = CorrectionConfig(rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="2.0,0.5")
+    assert correct(rows, config).keep == [[True, False, False], [False, False]]
+    ratio, mask = _verl_layout(rows)
+    theirs, _ = compute_rollout_rejection_mask(ratio, mask, config.rollout_rs, "2.0,0.5")
+    assert theirs[0, :3].tolist() == [1.0, 0.0, 0.0] and not theirs[1].any()
