@@ -12,9 +12,43 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from agl.core.correction import CorrectionConfig
+
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+@dataclass
+class Guards:
+    """The collapse guards and the mismatch correction, with verl's names: the options
+    ``backend=torch`` and ``backend=verl`` share (each backend's config extends this).
+
+    loss -= entropy_coef · H; loss += kl_coef · KL(π || π_ref) by kl_type, π_ref the policy
+    as the backend was built (frozen, kept in checkpoints); the rollout correction of
+    ``agl.core.correction`` (TIS, masked IS). Every default is off.
+    """
+
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_type: str = "low_var_kl"
+    rollout_is: str | None = None
+    rollout_is_threshold: float | str = 2.0
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kl_type.removesuffix("+") not in KL_KINDS:
+            raise ValueError(f"kl_type must be one of {', '.join(KL_KINDS)}, not {self.kl_type!r}")
+        self.correction  # noqa: B018 - checks the correction options
+
+    @property
+    def correction(self) -> CorrectionConfig:
+        return CorrectionConfig(
+            self.rollout_is, self.rollout_is_threshold, self.rollout_rs, self.rollout_rs_threshold
+        )
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:

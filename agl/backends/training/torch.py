@@ -50,9 +50,9 @@ import torch
 import transformers
 
 from agl.backends.sampling import logprobs_under
-from agl.backends.training.penalties import KL_KINDS, entropy_of, kl_penalty
+from agl.backends.training.penalties import Guards, entropy_of, kl_penalty
 from agl.backends.training.tree import ancestor_mask
-from agl.core.correction import CorrectionConfig, correct
+from agl.core.correction import correct
 from agl.core.schedule import MiniBatch, schedule
 from agl.core.types import NO_TRANSFORM, Sample, Sampling
 
@@ -66,7 +66,7 @@ _MAX_LOG_RATIO = 20.0
 
 
 @dataclass
-class TorchBackendConfig:
+class TorchBackendConfig(Guards):
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -79,27 +79,6 @@ class TorchBackendConfig:
     # Packing cap (memory); gradients accumulate over the micro-batches of a mini-batch.
     max_tokens_per_micro_batch: int = 4096
     device: str = "cpu"
-    # Collapse guards (verl's names): loss -= entropy_coef · H; loss += kl_coef · KL to
-    # the policy as it was when the backend was made (frozen), estimated by kl_type.
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    kl_type: str = "low_var_kl"
-    # Train-inference mismatch (agl.core.correction): TIS and masked IS; null: off.
-    rollout_is: str | None = None
-    rollout_is_threshold: float | str = 2.0
-    rollout_rs: str | None = None
-    rollout_rs_threshold: float | str | None = None
-
-    def __post_init__(self) -> None:
-        self.correction  # noqa: B018 - checks the correction options
-        if self.kl_type.removesuffix("+") not in KL_KINDS:
-            raise ValueError(f"kl_type must be one of {', '.join(KL_KINDS)}, not {self.kl_type!r}")
-
-    @property
-    def correction(self) -> CorrectionConfig:
-        return CorrectionConfig(
-            self.rollout_is, self.rollout_is_threshold, self.rollout_rs, self.rollout_rs_threshold
-        )
 
 
 # --- packing ------------------------------------------------------------------------------

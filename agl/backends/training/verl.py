@@ -97,7 +97,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agl.backends.training.penalties import KL_KINDS
+from agl.backends.training.penalties import Guards
 from agl.backends.training.verl_layout import (
     Padded,
     TokenTargets,
@@ -163,7 +163,7 @@ __all__ = [
 
 
 @dataclass
-class VerlBackendConfig:
+class VerlBackendConfig(Guards):
     """``conf/backend/verl.yaml``: torch.yaml's options plus verl's own."""
 
     lr: float = 1e-3
@@ -192,23 +192,6 @@ class VerlBackendConfig:
     ray_address: str | None = None  # None: start a local Ray; "auto"/"host:port": join one
     # Carried over from torch.yaml so one override line serves both backends.
     torch_threads: int = 2
-    # As torch.yaml (verl's names): loss -= entropy_coef · H, loss += kl_coef · KL(π ||
-    # π_ref) by kl_type, each token's term times its loss weight; π_ref is the policy as
-    # this backend was built (a frozen copy, kept in checkpoints).
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    kl_type: str = "low_var_kl"
-    # Train-inference mismatch (agl.core.correction, verl's rollout correction); null: off.
-    rollout_is: str | None = None
-    rollout_is_threshold: float | str = 2.0
-    rollout_rs: str | None = None
-    rollout_rs_threshold: float | str | None = None
-
-    @property
-    def correction(self) -> CorrectionConfig:
-        return CorrectionConfig(
-            self.rollout_is, self.rollout_is_threshold, self.rollout_rs, self.rollout_rs_threshold
-        )
 
     @property
     def penalties(self) -> Penalties:
@@ -227,9 +210,7 @@ class VerlBackendConfig:
                 raise ValueError(f"backend.{name} must be at least 1")
         if not self.clip_ratio_c > 1.0:
             raise ValueError("backend.clip_ratio_c must be > 1 (verl's dual-clip bound)")
-        if self.kl_type.removesuffix("+") not in KL_KINDS:
-            raise ValueError(f"kl_type must be one of {', '.join(KL_KINDS)}, not {self.kl_type!r}")
-        self.correction  # noqa: B018 - checks the correction options
+        super().__post_init__()
 
 
 @dataclass(frozen=True)
