@@ -49,6 +49,27 @@ def test_a_short_run_trains_and_serves_the_new_weights(tmp_path: Path, mode: str
         assert len(call["logprobs"]) == len(call["response_ids"])
 
 
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        ["task.sampling.temperature=0.7"],
+        ["task.sampling.temperature=0.7", "+task.sampling.top_p=0.9"],
+    ],
+    ids=["T=0.7", "T=0.7 top_p=0.9"],
+)
+def test_the_first_step_scores_what_was_sampled(tmp_path: Path, sampling: list[str]) -> None:
+    """Every ratio is 1 where the policy has not moved: the trainer scores each token under
+    the temperature and top-p it was sampled under. Before, at T = 0.7 the first step's
+    mismatch was 0.025 and 4.6% of tokens were clipped."""
+    history = train(_compose(sampling), tmp_path)
+    first = next(row for row in history if "train/logprob_mismatch" in row)
+    assert first["train/logprob_mismatch"] < 1e-4
+    assert first["train/tokens_trained"] > 0
+    calls = recorded(tmp_path)
+    assert {c["sampling"]["temperature"] for c in calls} == {0.7}
+    assert {c["sampling"]["top_p"] for c in calls} == {0.9 if len(sampling) > 1 else 1.0}
+
+
 def test_backend_verl_trains_through_verls_actor(tmp_path: Path) -> None:
     """``backend=verl``: verl's own actor update (its FSDP2 engine, in-process on CPU)
     trains the module the embedded server serves. A subprocess: verl starts a process

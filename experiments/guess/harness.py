@@ -69,6 +69,7 @@ class Game:
     high: int = 8
     max_turns: int = 3
     temperature: float = 1.0
+    top_p: float = 1.0  # the trainer scores each token under the same truncation
     # The warmed player answers "maybe 7" and the end-of-turn token: 6 tokens canonically,
     # up to 8 when it samples a noncanonical segmentation ("m|a|y|b|e| |7").
     max_tokens: int = 10
@@ -86,7 +87,7 @@ class Game:
     @classmethod
     def from_input(cls, data: object) -> Game:
         """Validate a rollout input (``target``, ``low``, ``high``, ``max_turns``, the
-        sampling options ``temperature``, ``max_tokens`` and the agent options
+        sampling options ``temperature``, ``top_p``, ``max_tokens`` and the agent options
         ``think_median_s``, ``think_sigma``); other keys are ignored."""
         if not isinstance(data, Mapping):
             raise GameInputError(f"the input must be a JSON object, not {type(data).__name__}")
@@ -99,6 +100,7 @@ class Game:
             high=_integer(data, "high", defaults.high),
             max_turns=_integer(data, "max_turns", defaults.max_turns),
             temperature=_number(data, "temperature", defaults.temperature),
+            top_p=_number(data, "top_p", defaults.top_p),
             max_tokens=_integer(data, "max_tokens", defaults.max_tokens),
             think_median_s=_number(data, "think_median_s", defaults.think_median_s),
             think_sigma=_number(data, "think_sigma", defaults.think_sigma),
@@ -109,6 +111,8 @@ class Game:
             raise GameInputError("max_turns and max_tokens must be at least 1")
         if min(game.temperature, game.think_median_s, game.think_sigma) < 0:
             raise GameInputError("temperature, think_median_s and think_sigma must be >= 0")
+        if not 0 < game.top_p <= 1:
+            raise GameInputError("top_p must be in (0, 1]")
         return game
 
 
@@ -252,6 +256,7 @@ def openai_ask(client: openai.AsyncOpenAI, model: str, game: Game) -> Ask:
             model=model,
             messages=messages,  # type: ignore[arg-type]
             temperature=game.temperature,
+            top_p=game.top_p,
             max_tokens=game.max_tokens,
         )
         return completion.choices[0].message.content or ""
