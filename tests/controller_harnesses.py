@@ -102,8 +102,13 @@ async def calls(agent: AgentContext, n: int, concurrent: bool) -> None:
     after another; their HTTP statuses are reported as a ``calls`` event."""
     statuses: list[int] = []
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n), timeout=60) as http:
+        # The flooder must see its 429s, so it never retries; the polite agent (never
+        # throttled) rides out a connection reset while the flood saturates the gateway.
         client = openai.AsyncOpenAI(
-            base_url=agent.base_url, api_key=agent.api_key, http_client=http, max_retries=0
+            base_url=agent.base_url,
+            api_key=agent.api_key,
+            http_client=http,
+            max_retries=0 if concurrent else 2,
         )
 
         async def one(i: int) -> None:

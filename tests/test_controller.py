@@ -222,7 +222,9 @@ def test_a_flooding_agent_is_throttled_alone_and_a_reward_counts_once(
         async with running(gateway, ex) as (_, client):
             await client.create_rollouts(specs(group, plan))
             flood, polite, twice = await group_final(client, group, len(plan))
-            assert [r.status for r in (flood, polite, twice)] == [Status.SUCCEEDED] * 3
+            assert [r.status for r in (flood, polite, twice)] == [Status.SUCCEEDED] * 3, [
+                (r.status, r.attempt, r.error) for r in (flood, polite, twice)
+            ]
             (flooded,) = await client.get_events(flood.rollout_id, type="calls")
             (calm,) = await client.get_events(polite.rollout_id, type="calls")
             statuses = flooded.data["statuses"]

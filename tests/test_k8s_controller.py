@@ -40,6 +40,7 @@ from agl.backends.execution.k8s import (
 )
 from agl.core.client import AsyncGatewayClient, GatewayClient
 from agl.core.controller import LOST, NO_STATUS, Controller
+from agl.core.failures import failure_cause, is_final
 from agl.core.records import Status
 from agl.testing.faults import TcpProxy
 from agl.testing.k8s import ApiServer, NodeSimulator
@@ -157,7 +158,7 @@ async def finished(client: AsyncGatewayClient, ids: list[str], timeout_s: float 
         mine = [rollouts[i] for i in ids if i in rollouts]
         if len(mine) == len(ids) and all(
             r.status is Status.SUCCEEDED
-            or (r.status is Status.FAILED and r.attempt == r.max_attempts)
+            or (r.status is Status.FAILED and is_final(r, failure_cause(r.status, r.error, False)))
             for r in mine
         ):
             return {r.rollout_id: r for r in mine}
@@ -195,8 +196,9 @@ def rollout_specs(inputs: dict[str, dict[str, Any]], **spec: Any) -> list[dict[s
 def test_jobs_run_attempts_and_report_their_outcomes(
     cluster: ApiServer, namespace: str, gateway: GatewayProcess, node: NodeSimulator
 ) -> None:
-    """Jobs run the agent with its key from a Secret; outcomes map onto attempts; what
-    is settled is deleted; the egress NetworkPolicy is in place."""
+    """Jobs run the agent with its key from a Secret; outcomes map onto attempts (an
+    agent that exits without a status or crashes is final at once: its own failure, not
+    retried); what is settled is deleted; the egress NetworkPolicy is in place."""
     inputs = {
         "ok-1": {"sleep": 0.3},
         "ok-2": {"reward": 0.5},
@@ -214,19 +216,20 @@ def test_jobs_run_attempts_and_report_their_outcomes(
             rollouts = await finished(client, list(inputs))
             await until(lambda: not jobs(cluster, namespace) and not secrets(cluster, namespace))
             assert controller.stats.exited_ok == 2
-            assert (controller.stats.requeued, controller.stats.given_up) == (2, 2)
-        assert ex.stats.jobs_created == 2 + 2 * 2
+            assert (controller.stats.requeued, controller.stats.given_up) == (0, 2)
+            assert controller.stats.agent_final == 2
+        assert ex.stats.jobs_created == 2 + 2
         return rollouts
 
     rollouts = asyncio.run(main())
     assert rollouts["ok-1"].status is rollouts["ok-2"].status is Status.SUCCEEDED
     silent, crash = rollouts["silent"], rollouts["crash"]
-    assert (silent.status, silent.attempt, silent.error) == (Status.FAILED, 2, NO_STATUS)
-    assert (crash.status, crash.attempt) == (Status.FAILED, 2)
+    assert (silent.status, silent.attempt, silent.error) == (Status.FAILED, 1, NO_STATUS)
+    assert (crash.status, crash.attempt) == (Status.FAILED, 1)
     assert crash.error is not None and "BackoffLimitExceeded" in crash.error
     # Every attempt ran exactly once, in a Job of its own.
     assert sorted(node.started) == sorted(set(node.started))
-    assert len(node.started) == 6
+    assert len(node.started) == 4
 
     job = seen_jobs[0]
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
