@@ -10,7 +10,6 @@ import copy
 import dataclasses
 import math
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,16 +20,7 @@ from agl.backends.training.torch import TorchBackend, TorchBackendConfig, packed
 from agl.core.correction import CorrectionConfig, correct
 from agl.core.registry import get
 from agl.core.types import NO_TRANSFORM, Sample, Sampling
-from tests.test_torch_backend import VOCAB_SIZE, linear, make_model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+from tests.test_torch_backend import VOCAB_SIZE, linear, make_model, one_thread  # noqa: F401
 
 HOT = Sampling(temperature=0.7)
 NUCLEUS = Sampling(temperature=0.7, top_p=0.9)
