@@ -28,7 +28,7 @@ from agl.core.calls import dedup
 from agl.core.failures import Cause, failure_cause
 from agl.core.metrics import merge_metrics
 from agl.core.records import Status
-from agl.core.types import NO_TRANSFORM, ModelCall, Sample
+from agl.core.types import NO_TRANSFORM, ModelCall, Sample, Sampling
 
 AgentFailures = Literal["zero", "drop"]
 AGENT_FAILURES = ("zero", "drop")
@@ -63,9 +63,7 @@ class FinishedRollout:
         """The reward it is trained and validated with; None: left out."""
         if self.cause is None:
             return self.reward
-        if self.cause is not None and self.cause.agent and agent_failures == "zero":
-            return 0.0
-        return None
+        return 0.0 if self.cause.agent and agent_failures == "zero" else None
 
 
 @dataclass
@@ -177,8 +175,13 @@ def _cause_metrics(rollouts: Sequence[FinishedRollout]) -> dict[str, float]:
 
 
 def _prepared(sample: Sample, calls: Sequence[ModelCall], stale: set[int]) -> Sample:
-    """The sample with its stale calls' tokens made context, and its tokens' sampling."""
-    sampling = [NO_TRANSFORM if c < 0 else calls[c].sampling for c in sample.call_index]
+    """The sample with its stale calls' tokens made context, and its tokens' sampling
+    (None when every call was sampled untransformed: the backends' plain path)."""
+    sampling: list[Sampling] | None = [
+        NO_TRANSFORM if c < 0 else calls[c].sampling for c in sample.call_index
+    ]
+    if all(x == NO_TRANSFORM for x in sampling):
+        sampling = None
     if not stale:
         return replace(sample, sampling=sampling)
     mask = [

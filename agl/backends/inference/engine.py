@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -62,8 +63,9 @@ class SamplingParams:
     n: int = 1
     ignore_eos: bool = False
 
-    @property
+    @cached_property
     def sampling(self) -> Sampling:
+        # Read for every row of every decode step: built once per request.
         return Sampling(self.temperature, self.top_p, self.top_k)
 
 
