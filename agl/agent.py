@@ -1,8 +1,17 @@
 """What an agent harness gets from agl, and how it reports back: ``AgentContext``.
 
 A harness sees only its environment, as any harness would: the OpenAI base URL of its
-attempt's proxy and its attempt key as ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``, plus its
-rollout's input and where to report. The same variables reach a command harness (a
+attempt's proxy and its attempt's *model key* as ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``,
+plus its rollout's input and where to report.
+
+The model key calls the model and nothing else: harnesses pass their environment to the
+model's shell tools, so a tool that posts ``reward 1.0`` with it is refused (403). The
+*report key*, which posts the reward and ends the attempt, is never in an environment:
+the worker running a Python harness holds it in memory, a command harness reads it once
+from the pipe ``AGL_REPORT_FD`` names (``from_env`` does, and closes it), and a Kubernetes
+Job's ``python -m agl.agent`` takes ``AGL_REPORT_KEY`` out of its environment before the
+harness starts. ``AgentContext.from_env`` finds it wherever it is, so a harness author
+changes nothing. The same variables reach a command harness (a
 process per attempt) and a Python entry point run by a worker process (``module:function``
 called with the mapping), so one harness runs either way::
 
@@ -25,12 +34,14 @@ the harness returned, 1 with one line on stderr when it raised, 2 on bad usage.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import json
 import math
 import os
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +58,65 @@ ENV_ROLLOUT = "AGL_ROLLOUT_ID"
 ENV_ATTEMPT = "AGL_ATTEMPT"
 ENV_MODE = "AGL_MODE"
 ENV_INPUT = "AGL_INPUT"
+# Where a report key comes from when no wrapper in this process holds it: a pipe (a
+# command harness; read once, then closed) or a variable that agl.agent removes at start.
+ENV_REPORT_FD = "AGL_REPORT_FD"
+ENV_REPORT_KEY = "AGL_REPORT_KEY"
+
+# (rollout id, attempt) -> report key, for the attempts this process runs: filled by the
+# wrapper (the worker, agl.agent) or by the first read of AGL_REPORT_FD.
+_report_keys: dict[tuple[str, int], str] = {}
+
+
+@contextlib.contextmanager
+def holding_report_key(rollout_id: str, attempt: int, key: str) -> Iterator[None]:
+    """Make ``key`` the report key ``AgentContext.from_env`` finds for this attempt while
+    the block runs (the wrapper around one attempt's harness)."""
+    _report_keys[(rollout_id, attempt)] = key
+    try:
+        yield
+    finally:
+        _report_keys.pop((rollout_id, attempt), None)
+
+
+@contextlib.contextmanager
+def report_pipe(key: str) -> Iterator[int]:
+    """The read end of a pipe holding ``key``: what a command harness reads its report key
+    from (``AGL_REPORT_FD``), never its environment. Ours is closed once the child has it;
+    a key is far below a pipe's buffer, so the write never blocks."""
+    read_fd, write_fd = os.pipe()
+    try:
+        os.write(write_fd, key.encode())
+    finally:
+        os.close(write_fd)
+    try:
+        yield read_fd
+    finally:
+        os.close(read_fd)
+
+
+def _report_key_from(env: Mapping[str, str], rollout_id: str, attempt: int) -> str:
+    held = _report_keys.get((rollout_id, attempt))
+    if held is not None or ENV_REPORT_FD not in env:
+        return held or env.get(ENV_REPORT_KEY, "")
+    try:
+        fd = int(env[ENV_REPORT_FD])
+        with os.fdopen(fd, "rb") as pipe:  # closes it: the harness's children lose it
+            key = pipe.read().decode().strip()
+    except (ValueError, OSError) as error:
+        raise AgentEnvError(f"cannot read the report key from {ENV_REPORT_FD}: {error}") from None
+    _report_keys[(rollout_id, attempt)] = key
+    return key
+
+
+def undumpable() -> None:
+    """Keep other processes of this user (the model's tools) out of this one's memory and
+    ``/proc/<pid>/environ``: Linux's ``PR_SET_DUMPABLE`` 0 (a no-op elsewhere). It does
+    not stop root."""
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
 
 
 class AgentEnvError(ValueError):
@@ -60,8 +130,11 @@ class AgentContext:
     attempt: int
     mode: str
     model: str
-    api_key: str
+    api_key: str  # the model key
     input: Any
+    # The report key (events, the attempt's end); the model key where none is held, which
+    # the gateway refuses for reporting.
+    report_key: str = ""
 
     @property
     def base_url(self) -> str:
@@ -69,6 +142,7 @@ class AgentContext:
         return proxy_base_url(self.gateway_url, self.rollout_id, self.attempt, self.mode)
 
     def to_env(self) -> dict[str, str]:
+        """The agent's environment: everything but the report key."""
         return {
             ENV_BASE_URL: self.base_url,
             ENV_API_KEY: self.api_key,
@@ -102,11 +176,13 @@ class AgentContext:
             model=env.get(ENV_MODEL, ""),
             api_key=env[ENV_API_KEY],
             input=data,
+            report_key=_report_key_from(env, env[ENV_ROLLOUT], attempt),
         )
 
     def client(self, http: httpx.AsyncClient | None = None) -> AsyncGatewayClient:
-        """A gateway client holding this attempt's key (it can touch this attempt only)."""
-        return AsyncGatewayClient(self.gateway_url, self.api_key, http=http)
+        """A gateway client holding this attempt's report key (it can touch this attempt
+        only)."""
+        return AsyncGatewayClient(self.gateway_url, self.report_key or self.api_key, http=http)
 
     async def finish(
         self,
@@ -166,7 +242,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         sys.stderr.write(f"agl.agent: {error}\n")
         raise SystemExit(2) from None
-    error = asyncio.run(run_attempt(harness, dict(os.environ), timeout_s=None))
+    undumpable()
+    report_key = os.environ.pop(ENV_REPORT_KEY, "")  # gone from what the harness starts
+    env = dict(os.environ)
+    error = asyncio.run(run_attempt(harness, env, timeout_s=None, report_key=report_key))
     if error is not None:
         sys.stderr.write(f"agl.agent: {error}\n")
         raise SystemExit(1)

@@ -500,7 +500,7 @@ def load_run_folder(folder: str) -> Any:
 
 def export_line(rollout: Rollout, events: list[Event]) -> str:
     # The attempt key is a credential of the agent: it stays out of files.
-    record = rollout.model_dump(mode="json", exclude={"attempt_key"})
+    record = rollout.model_dump(mode="json", exclude={"attempt_key", "report_key"})
     return json.dumps({"rollout": record, "events": [e.model_dump(mode="json") for e in events]})
 
 

@@ -162,7 +162,7 @@ def agl_targets(
     events = Target(
         "agl",
         event_urls,
-        keys,
+        [{"Authorization": f"Bearer {r.report_key}"} for r in rollouts],
         lambda n: orjson.dumps({"type": "reward", "data": {"value": 1.0, "n": n}}),
         pid,
     )

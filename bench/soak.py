@@ -139,7 +139,7 @@ async def soak(args: argparse.Namespace, run_dir: Path, upstream: str) -> dict[s
     with GatewayClient(url, TOKEN) as admin:
         admin.register_models([{"model": "policy", "endpoint": upstream}])
         admin.create_rollouts([{"rollout_id": r} for r in ids])
-        keys = {r: admin.patch_rollout(r, "running", attempt=1).attempt_key for r in ids}
+        keys = {r: admin.patch_rollout(r, "running", attempt=1).report_key for r in ids}
     audit, total = Audit(), [0]
     half = args.rollouts * args.calls // 2
     started = time.monotonic()

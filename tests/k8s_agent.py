@@ -1,6 +1,7 @@
 """A stdlib-only agent for the Kubernetes tests: starts in ~30 ms, so a test can run
-hundreds of Jobs. It reads the environment a Job gets (``AGL_*``, ``OPENAI_API_KEY``
-from the attempt's Secret) and does what its input says:
+hundreds of Jobs. It reads the environment a Job gets (``AGL_*``, and from the attempt's
+Secret ``OPENAI_API_KEY``, the model key, and ``AGL_REPORT_KEY``, the report key it posts
+with) and does what its input says:
 
 - ``sleep``: seconds to wait first (default 0);
 - ``report``: ``"succeeded"`` (default; with ``reward``, default 1.0), ``"none"`` (exit 0
@@ -22,7 +23,7 @@ def _call(method: str, path: str, body: object) -> None:
         data=json.dumps(body).encode(),
         method=method,
         headers={
-            "Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}",
+            "Authorization": f"Bearer {os.environ['AGL_REPORT_KEY']}",
             "Content-Type": "application/json",
         },
     )

@@ -85,7 +85,7 @@ def test_acknowledged_writes_survive_kill_9(run_dir: Path, upstream: tuple[str, 
         # Models and the secret survive too: old attempt keys still work.
         assert [m.policy_version for m in admin.list_models()] == [7]
         some = sorted(acked_calls)[0]
-        key = admin.get_rollout(some).attempt_key
+        key = admin.get_rollout(some).report_key
         assert GatewayClient(gw.url, key or "").get_rollout(some).rollout_id == some
 
 

@@ -51,8 +51,9 @@ class Target:
         rollout_id = f"fz-{uuid.uuid4().hex[:12]}"
         self.client.create_rollouts([{"rollout_id": rollout_id, "group_id": "fuzz"}])
         r = self.client.patch_rollout(rollout_id, "running")
-        assert r.attempt_key is not None
-        return Live(r.rollout_id, r.attempt, r.mode, r.attempt_key)
+        assert r.report_key is not None
+        # The report key: it reaches every route the attempt may (the model key, the proxy).
+        return Live(r.rollout_id, r.attempt, r.mode, r.report_key)
 
     def ensure_running(self) -> None:
         r = self.client.get_rollout(self.live.rollout_id)

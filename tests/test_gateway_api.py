@@ -231,17 +231,17 @@ def test_missing_and_invalid_tokens_get_401(gateway: GatewayProcess) -> None:
         assert error_message(response)
 
 
-def test_attempt_key_scopes(
+def test_report_key_scopes(
     gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout]
 ) -> None:
     mine, other = running(), running()
-    key = mine.attempt_key
+    key = mine.report_key
     assert key is not None
     agent = GatewayClient(gateway.url, key, retries=0)
     # Its own attempt: events, reading itself (without any key), finishing.
     agent.post_reward(mine.rollout_id, 1, 1.0)
     seen = agent.get_rollout(mine.rollout_id)
-    assert seen.attempt_key is None and seen.status == "running"
+    assert seen.attempt_key is None and seen.report_key is None and seen.status == "running"
     # Anything else: 403.
     for call in (
         lambda: agent.post_reward(other.rollout_id, 1, 1.0),
@@ -273,7 +273,7 @@ def test_key_of_an_old_attempt_is_refused(
     admin.patch_rollout(r.rollout_id, "failed")
     admin.patch_rollout(r.rollout_id, "queuing")
     admin.patch_rollout(r.rollout_id, "running")
-    old = GatewayClient(gateway.url, r.attempt_key or "", retries=0)
+    old = GatewayClient(gateway.url, r.report_key or "", retries=0)
     with pytest.raises(GatewayError) as refused:
         old.post_reward(r.rollout_id, 1, 1.0)
     assert refused.value.status == 409 and "not running" in refused.value.message
@@ -322,7 +322,7 @@ def test_event_body_errors(gateway: GatewayProcess, running: Callable[..., Rollo
     r = running()
     path = f"/api/rollouts/{r.rollout_id}/attempt/1/events"
     for body in (b'{"data": 1}', b'{"type": ""}', b'{"type": "x", "event_id": "a b"}', b"[1]"):
-        response = raw(gateway, "POST", path, r.attempt_key, content=body)
+        response = raw(gateway, "POST", path, r.report_key, content=body)
         assert response.status_code == 422, body
         assert error_message(response)
 

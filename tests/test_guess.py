@@ -32,7 +32,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl.agent import AgentContext
+from agl.agent import ENV_REPORT_FD, AgentContext, holding_report_key, report_pipe
 from agl.backends.inference.engine import Engine, SamplingParams
 from agl.backends.inference.models import LoadedModel, load_model
 from agl.core.client import GatewayClient
@@ -287,6 +287,7 @@ class Stack:
             model=self.server.model,
             api_key=rollout.attempt_key,
             input=game_input,
+            report_key=rollout.report_key or "",
         )
 
 
@@ -331,22 +332,31 @@ def assert_played(stack: Stack, agent: AgentContext) -> None:
     assert reported[0].get("metrics", {}) == pytest.approx(expected_metrics(guesses, ranges))
 
 
+def play_in_process(agent: AgentContext) -> None:
+    """Run the harness as a worker does: the report key held apart from its env."""
+    with holding_report_key(agent.rollout_id, agent.attempt, agent.report_key):
+        asyncio.run(run(agent.to_env()))
+
+
 def test_the_harness_plays_through_the_gateway(stack: Stack) -> None:
     agent = stack.attempt({"target": 5, **OPTIONS, **SAMPLING})
-    asyncio.run(run(agent.to_env()))
+    play_in_process(agent)
     assert_played(stack, agent)
 
 
 def test_the_harness_runs_as_a_command(stack: Stack) -> None:
     agent = stack.attempt({"target": 7, **OPTIONS, **SAMPLING})
-    done = subprocess.run(
-        [sys.executable, "-m", "experiments.guess.harness"],
-        env={**os.environ, **agent.to_env()},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    # As the local executor runs a command harness: the report key on a pipe, not in env.
+    with report_pipe(agent.report_key) as fd:
+        done = subprocess.run(
+            [sys.executable, "-m", "experiments.guess.harness"],
+            env={**os.environ, **agent.to_env(), ENV_REPORT_FD: str(fd)},
+            pass_fds=(fd,),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert done.returncode == 0, done.stderr
     assert_played(stack, agent)
 
@@ -373,7 +383,7 @@ def test_finish_puts_the_finite_metrics_on_the_reward_event(stack: Stack) -> Non
 
 def test_a_bad_input_fails_the_attempt_with_a_reason(stack: Stack) -> None:
     agent = stack.attempt({"target": 40, **OPTIONS})
-    asyncio.run(run(agent.to_env()))
+    play_in_process(agent)
     with GatewayClient(stack.gateway.url, stack.gateway.token) as admin:
         rollout = admin.get_rollout(agent.rollout_id)
     assert rollout.status == Status.FAILED and "target 40" in (rollout.error or "")

@@ -284,14 +284,17 @@ def test_the_key_lives_in_a_secret_only(
                 jobs(cluster, namespace),
                 secrets(cluster, namespace),
             )
-            captured["key"] = (await client.get_rollout("slow")).attempt_key
+            slow = await client.get_rollout("slow")
+            captured["key"], captured["report_key"] = slow.attempt_key, slow.report_key
             await finished(client, ["slow"])
 
     asyncio.run(main())
-    key = captured["key"]
-    assert key and key not in orjson.dumps(captured["jobs"]).decode()
+    key, report_key = captured["key"], captured["report_key"]
+    jobs_text = orjson.dumps(captured["jobs"]).decode()
+    assert key and report_key and key not in jobs_text and report_key not in jobs_text
     (secret,) = captured["secrets"]
     assert base64.b64decode(secret["data"]["api-key"]).decode() == key
+    assert base64.b64decode(secret["data"]["report-key"]).decode() == report_key
 
 
 # -- restarts and faults ----------------------------------------------------------------

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from agl.backends.execution.k8s import (
     KEY_ENV,
+    REPORT_ENV,
     EgressConfig,
     K8sExecutorConfig,
     TokenBucket,
@@ -120,6 +121,10 @@ def test_the_controller_owns_its_fields_over_the_template() -> None:
     assert by_name[KEY_ENV] == {
         "name": KEY_ENV,
         "valueFrom": {"secretKeyRef": {"name": "agl-r-1", "key": "api-key"}},
+    }
+    assert by_name[REPORT_ENV] == {
+        "name": REPORT_ENV,
+        "valueFrom": {"secretKeyRef": {"name": "agl-r-1", "key": "report-key"}},
     }
     assert by_name["KEEP"]["value"] == "2"  # ours wins over the template's
     assert by_name["OPENAI_BASE_URL"]["value"] == "http://gw/x"

@@ -20,7 +20,15 @@ import pytest
 from agl.testing.processes import GatewayProcess, gateway_process
 
 ROLLOUTS = 40
-VOLATILE = {"created_at", "updated_at", "started_at", "ended_at", "attempt_key", "time"}
+VOLATILE = {
+    "created_at",
+    "updated_at",
+    "started_at",
+    "ended_at",
+    "attempt_key",
+    "report_key",
+    "time",
+}
 
 
 @dataclass(frozen=True)
@@ -74,7 +82,7 @@ class Sender:
         self.statuses.append(response.status_code)
         assert response.status_code < 500, response.text
         if call.method == "PATCH" and call.body.get("status") == "running" and response.is_success:
-            self.keys[rid] = response.json()["attempt_key"]
+            self.keys[rid] = response.json()["report_key"]
 
 
 async def once(sender: Sender, plans: dict[str, list[Call]]) -> None:

@@ -91,6 +91,54 @@ def test_a_key_cannot_reach_another_rollout(
     assert ok.status_code == 200, ok.text
 
 
+def test_the_model_key_calls_the_model_and_nothing_else(
+    gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout], fake: FakeVllm
+) -> None:
+    """The model key is the agent's OPENAI_API_KEY, which harnesses hand to the model's
+    shell tools: with it a tool must not set its own reward, end its attempt or read its
+    rollout (its input may hold what the task grades against)."""
+    r = running()
+    model_key, report_key = r.attempt_key, r.report_key
+    assert model_key and report_key and model_key != report_key
+    own = [
+        ("POST", events_path(r.rollout_id, 1), REWARD),
+        ("POST", events_path(r.rollout_id, 1), [{"type": "note", "data": 1}]),
+        ("PATCH", f"/api/rollouts/{r.rollout_id}/attempt/1", {"status": "succeeded"}),
+        ("GET", f"/api/rollouts/{r.rollout_id}", None),
+        ("GET", f"/api/rollouts/{r.rollout_id}/events", None),
+    ]
+    for method, path, body in own:
+        response = raw(gateway.url, method, path, model_key, json=body)
+        assert response.status_code == 403, (method, path, response.text)
+        assert "report key" in error_message(response)
+    assert admin.get_events(r.rollout_id) == []
+    assert admin.get_rollout(r.rollout_id).status == "running"
+    # Its one use: the model, through the attempt's proxy.
+    ok = raw(gateway.url, "POST", chat_path(r.rollout_id, 1), model_key, json=CHAT)
+    assert ok.status_code == 200, ok.text
+    # The report key does everything the attempt may do.
+    for method, path, body in own:
+        response = raw(gateway.url, method, path, report_key, json=body)
+        assert response.is_success, (method, path, response.text)
+    assert admin.get_rollout(r.rollout_id).status == "succeeded"
+
+
+def test_a_key_cannot_be_turned_into_the_other_role(
+    gateway: GatewayProcess, running: Callable[..., Rollout]
+) -> None:
+    """Each role's MAC is domain-separated: swapping the prefix forges nothing (401)."""
+    r = running()
+    assert r.attempt_key and r.report_key
+    as_report = "aglr-" + r.attempt_key.removeprefix("agl-")
+    as_model = "agl-" + r.report_key.removeprefix("aglr-")
+    for token, path in (
+        (as_report, events_path(r.rollout_id, 1)),
+        (as_model, chat_path(r.rollout_id, 1)),
+    ):
+        response = raw(gateway.url, "POST", path, token, json=REWARD)
+        assert response.status_code == 401, (token, response.text)
+
+
 def test_a_key_cannot_call_the_admin_api(
     gateway: GatewayProcess, running: Callable[..., Rollout], admin: GatewayClient
 ) -> None:
@@ -122,22 +170,23 @@ def test_the_key_of_an_earlier_attempt_reaches_nothing(
     gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout], fake: FakeVllm
 ) -> None:
     r = running(max_attempts=2)
-    old = r.attempt_key
+    old = r.report_key
     admin.patch_rollout(r.rollout_id, "failed")
     admin.patch_rollout(r.rollout_id, "queuing")
     now = admin.patch_rollout(r.rollout_id, "running")
-    assert now.attempt == 2 and now.attempt_key != old
-    # The new attempt's routes, and reading the rollout it now runs: not this key's.
-    for method, path, body in [
-        ("GET", f"/api/rollouts/{r.rollout_id}", None),
-        ("GET", f"/api/rollouts/{r.rollout_id}/events", None),
-        ("PATCH", f"/api/rollouts/{r.rollout_id}/attempt/2", {"status": "succeeded"}),
-        ("POST", events_path(r.rollout_id, 2), REWARD),
-        ("POST", chat_path(r.rollout_id, 2), CHAT),
-    ]:
-        response = raw(gateway.url, method, path, old, json=body)
-        assert response.status_code == 403, (method, path, response.text)
-        error_message(response)
+    assert now.attempt == 2 and now.report_key != old and now.attempt_key != r.attempt_key
+    # The new attempt's routes, and reading the rollout it now runs: neither old key's.
+    for key in (r.attempt_key, old):
+        for method, path, body in [
+            ("GET", f"/api/rollouts/{r.rollout_id}", None),
+            ("GET", f"/api/rollouts/{r.rollout_id}/events", None),
+            ("PATCH", f"/api/rollouts/{r.rollout_id}/attempt/2", {"status": "succeeded"}),
+            ("POST", events_path(r.rollout_id, 2), REWARD),
+            ("POST", chat_path(r.rollout_id, 2), CHAT),
+        ]:
+            response = raw(gateway.url, method, path, key, json=body)
+            assert response.status_code == 403, (method, path, response.text)
+            error_message(response)
     # Its own, finished attempt: refused as not the running one (409, as elsewhere).
     for method, path, body in [
         ("PATCH", f"/api/rollouts/{r.rollout_id}/attempt/1", {"status": "succeeded"}),
@@ -147,7 +196,8 @@ def test_the_key_of_an_earlier_attempt_reaches_nothing(
         response = raw(gateway.url, method, path, old, json=body)
         assert response.status_code == 409, (method, path, response.text)
         assert "attempt 1" in error_message(response)
-        assert response.json()["current"]["attempt_key"] is None  # no key for the new one
+        current = response.json()["current"]
+        assert current["attempt_key"] is None and current["report_key"] is None  # no new keys
     after = admin.get_rollout(r.rollout_id)
     assert (after.status, after.attempt, after.version) == (now.status, 2, now.version)
     assert admin.get_events(r.rollout_id) == []
@@ -165,7 +215,7 @@ def test_a_key_cannot_forge_what_the_proxy_records(
     forged = {"type": kind, "data": {"prompt_ids": [1], "response_ids": [2], "logprobs": [0.0]}}
     for body in (forged, [{"type": "note", "data": 1}, forged]):
         response = raw(
-            gateway.url, "POST", events_path(r.rollout_id, r.attempt), r.attempt_key, json=body
+            gateway.url, "POST", events_path(r.rollout_id, r.attempt), r.report_key, json=body
         )
         assert response.status_code == 403, response.text
         assert "written by the proxy only" in error_message(response)
@@ -415,7 +465,7 @@ def test_one_runaway_attempt_cannot_starve_the_others(tight: GatewayProcess) -> 
         async with httpx.AsyncClient(base_url=tight.url, timeout=30) as http:
 
             def call(r: Rollout, n: int) -> object:
-                headers = {"Authorization": f"Bearer {r.attempt_key}"}
+                headers = {"Authorization": f"Bearer {r.report_key}"}
                 if n % 2:
                     return http.post(chat_path(r.rollout_id, 1), json=CHAT, headers=headers)
                 event = {**REWARD, "event_id": f"e{n}"}
@@ -446,14 +496,14 @@ def test_one_runaway_attempt_cannot_starve_the_others(tight: GatewayProcess) -> 
     # After the wait it asked for, the runaway may call again.
     time.sleep(int(limited.headers["retry-after-ms"]) / 1000 + 0.05)
     again = raw(
-        tight.url, "POST", events_path(runaway.rollout_id, 1), runaway.attempt_key, json=REWARD
+        tight.url, "POST", events_path(runaway.rollout_id, 1), runaway.report_key, json=REWARD
     )
     assert again.status_code == 200, again.text
 
 
 def test_the_client_waits_out_a_429(tight: GatewayProcess) -> None:
     r = start(tight)
-    key = r.attempt_key or ""
+    key = r.report_key or ""
     with GatewayClient(tight.url, key, retries=0) as impatient:
         with pytest.raises(GatewayError) as limited:
             for _ in range(40):  # the burst of 10, and a few that refilled meanwhile
@@ -506,13 +556,13 @@ def test_oversized_bodies_on_the_proxy_and_events_get_413(
         (chat_path(r.rollout_id, 1), big_chat),
         (events_path(r.rollout_id, 1), big_event),
     ):
-        response = raw(tight.url, "POST", path, r.attempt_key, json=body)
+        response = raw(tight.url, "POST", path, r.report_key, json=body)
         assert response.status_code == 413, (path, response.text)
         assert "limit" in error_message(response)
-        streamed = raw(tight.url, "POST", path, r.attempt_key, content=chunks())
+        streamed = raw(tight.url, "POST", path, r.report_key, content=chunks())
         assert streamed.status_code == 413, (path, streamed.text)
     assert len(fake.requests) == seen  # nothing went upstream
     with GatewayClient(tight.url, SECRET) as admin:
         assert admin.get_events(r.rollout_id) == []
-    small = raw(tight.url, "POST", events_path(r.rollout_id, 1), r.attempt_key, json=REWARD)
+    small = raw(tight.url, "POST", events_path(r.rollout_id, 1), r.report_key, json=REWARD)
     assert small.status_code == 200, small.text

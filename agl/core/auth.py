@@ -1,8 +1,16 @@
-"""Who may do what: one admin token, and one key per rollout attempt.
+"""Who may do what: one admin token, and two keys per rollout attempt.
 
-An attempt key is an HMAC of (rollout id, attempt) under the gateway's secret, so the
+- The **model key** (``agl-...``) calls the model through the attempt's proxy and nothing
+  else. It is the agent's ``OPENAI_API_KEY``, so harnesses hand it to the model's shell
+  tools: whatever the model can run holds it.
+- The **report key** (``aglr-...``) also posts the attempt's events (the reward), ends the
+  attempt and reads the rollout. Only the harness wrapper holds it (``agl.agent``): it is
+  never in an agent's environment, so a tool that posts a reward with everything it can
+  find there is refused.
+
+Each key is an HMAC of (role, rollout id, attempt) under the gateway's secret, so the
 gateway checks it without storing it, it dies with its attempt, and it cannot be forged
-for another rollout. Keys and tokens are never logged.
+for another rollout or turned into the other role. Keys and tokens are never logged.
 """
 
 from __future__ import annotations
@@ -16,27 +24,33 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ATTEMPT_KEY_PREFIX = "agl-"
+REPORT_KEY_PREFIX = "aglr-"
+# Domain separation: a report key's MAC is over this and the scope, a model key's over the
+# scope alone, so neither MAC verifies as the other.
+_REPORT_DOMAIN = b"report\x00"
 
 
 @dataclass(frozen=True)
 class Principal:
-    """The holder of a request's bearer token: the admin, or one rollout attempt."""
+    """The holder of a request's bearer token: the admin, or one rollout attempt with its
+    model key (``reports`` False) or its report key (True)."""
 
     admin: bool
     rollout_id: str | None = None
     attempt: int | None = None
+    reports: bool = False
 
     def may_act_for(self, rollout_id: str, attempt: int) -> bool:
         return self.admin or (self.rollout_id == rollout_id and self.attempt == attempt)
 
 
-ADMIN = Principal(admin=True)
+ADMIN = Principal(admin=True, reports=True)
 
 
 class Keyring:
-    """Attempt keys read ``agl-<base64url(attempt:rollout_id)>.<base64url(hmac)>``: the ids
-    in the clear let the gateway tell a valid key used out of its scope (403) from a
-    forged one (401) without any lookup."""
+    """Attempt keys read ``agl-<base64url(attempt:rollout_id)>.<base64url(hmac)>`` (model)
+    and ``aglr-...`` alike (report): the ids in the clear let the gateway tell a valid key
+    used out of its scope (403) from a forged one (401) without any lookup."""
 
     def __init__(self, admin_token: str, secret: bytes) -> None:
         self._admin = admin_token.encode()
@@ -46,24 +60,34 @@ class Keyring:
         return hmac.new(self._secret, scope, hashlib.sha256).digest()
 
     def attempt_key(self, rollout_id: str, attempt: int) -> str:
+        """The attempt's model key: the proxy only."""
         scope = f"{attempt}:{rollout_id}".encode()
         return f"{ATTEMPT_KEY_PREFIX}{_b64(scope)}.{_b64(self._mac(scope))}"
+
+    def report_key(self, rollout_id: str, attempt: int) -> str:
+        """The attempt's report key: the proxy, its events, its end, its rollout."""
+        scope = f"{attempt}:{rollout_id}".encode()
+        return f"{REPORT_KEY_PREFIX}{_b64(scope)}.{_b64(self._mac(_REPORT_DOMAIN + scope))}"
 
     def identify(self, token: str) -> Principal | None:
         if hmac.compare_digest(token.encode(), self._admin):
             return ADMIN
-        if not token.startswith(ATTEMPT_KEY_PREFIX):
-            return None
-        encoded_scope, _, encoded_mac = token[len(ATTEMPT_KEY_PREFIX) :].partition(".")
+        for prefix, domain, reports in (
+            (REPORT_KEY_PREFIX, _REPORT_DOMAIN, True),
+            (ATTEMPT_KEY_PREFIX, b"", False),
+        ):
+            if token.startswith(prefix):
+                return self._attempt(token[len(prefix) :], domain, reports)
+        return None
+
+    def _attempt(self, body: str, domain: bytes, reports: bool) -> Principal | None:
+        encoded_scope, _, encoded_mac = body.partition(".")
         try:
             scope = _unb64(encoded_scope)
-            valid = hmac.compare_digest(_unb64(encoded_mac), self._mac(scope))
+            if not hmac.compare_digest(_unb64(encoded_mac), self._mac(domain + scope)):
+                return None
             attempt, _, rollout_id = scope.decode().partition(":")
-            return (
-                Principal(admin=False, rollout_id=rollout_id, attempt=int(attempt))
-                if valid
-                else None
-            )
+            return Principal(False, rollout_id, int(attempt), reports)
         except ValueError:
             return None
 

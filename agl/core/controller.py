@@ -67,7 +67,9 @@ class Launch:
     rollout_id: str
     attempt: int
     timeout_s: float | None
-    env: dict[str, str]  # AgentContext(...).to_env(): proxy base URL, attempt key, input, ...
+    env: dict[str, str]  # AgentContext(...).to_env(): proxy base URL, model key, input, ...
+    # Never in ``env``: the executor hands it to the harness wrapper alone (agl/agent.py).
+    report_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -366,7 +368,9 @@ class Controller:
             api_key=rollout.attempt_key,
             input=rollout.input,
         )
-        launch = Launch(rollout_id, attempt, rollout.timeout_s, context.to_env())
+        launch = Launch(
+            rollout_id, attempt, rollout.timeout_s, context.to_env(), rollout.report_key or ""
+        )
         try:
             await self.executor.launch(launch)
         except Exception as error:

@@ -430,6 +430,17 @@ class FastLane:
         await response(scope, receive, send)
 
 
+def reporter(principal: Principal) -> None:
+    """Refuse a model key where the report key is needed: the model's tools hold the
+    model key (it is the agent's ``OPENAI_API_KEY``), so it must not set the reward."""
+    if not principal.reports:
+        raise ApiError(
+            403,
+            "this is the attempt's model key: it calls the model only; events, the "
+            "attempt's status and the rollout need its report key (agl.agent holds it)",
+        )
+
+
 class Gateway:
     """State shared by the routes: store, keys, proxy, admission gate."""
 
@@ -478,21 +489,27 @@ class Gateway:
         if not self.principal(request).admin:
             raise ApiError(403, "this endpoint needs the admin token")
 
-    def for_attempt(self, request: Request, rollout_id: str, attempt: int) -> Principal:
+    def for_attempt(
+        self, request: Request, rollout_id: str, attempt: int, *, report: bool = True
+    ) -> Principal:
+        """The principal, if it may act for the attempt: with its report key (or the
+        admin token), or with its model key where ``report`` is False (the proxy)."""
         principal = self.principal(request)
         if not principal.may_act_for(rollout_id, attempt):
             raise ApiError(
                 403, f"this key is not valid for rollout {rollout_id!r} attempt {attempt}"
             )
+        if report:
+            reporter(principal)
         return principal
 
     # -- records -------------------------------------------------------------------
 
     def rollout_json(self, rollout: Rollout, admin: bool) -> dict[str, Any]:
         record = vars(rollout).copy()
-        record["attempt_key"] = (
-            self.keyring.attempt_key(rollout.rollout_id, rollout.attempt) if admin else None
-        )
+        keys = admin and (rollout.rollout_id, rollout.attempt)
+        record["attempt_key"] = self.keyring.attempt_key(*keys) if keys else None
+        record["report_key"] = self.keyring.report_key(*keys) if keys else None
         return record
 
     async def rollout(self, rollout_id: str) -> Rollout:
@@ -570,7 +587,7 @@ class Gateway:
             return _dialect_error(ANTHROPIC, error)
 
     async def _check_live(self, request: Request, rollout_id: str, attempt: int, mode: str) -> None:
-        principal = self.for_attempt(request, rollout_id, attempt)
+        principal = self.for_attempt(request, rollout_id, attempt, report=False)
         rollout = await self.rollout(rollout_id)
         if rollout.status is not Status.RUNNING or attempt != rollout.attempt:
             raise ApiError(
@@ -728,6 +745,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         rollout = await g.rollout(rollout_id)
         if not principal.may_act_for(rollout_id, rollout.attempt):
             raise ApiError(403, f"this key is not valid for rollout {rollout_id!r}")
+        reporter(principal)
         return _json(g.rollout_json(rollout, principal.admin))
 
     @app.patch("/api/rollouts/{rollout_id}", openapi_extra=body(_PATCH))
@@ -764,6 +782,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         rollout = await g.rollout(rollout_id)
         if not principal.may_act_for(rollout_id, rollout.attempt):
             raise ApiError(403, f"this key is not valid for rollout {rollout_id!r}")
+        reporter(principal)
         if not 1 <= limit <= MAX_EVENT_PAGE:
             raise ApiError(422, f"limit must be between 1 and {MAX_EVENT_PAGE}")
         events = await g.store.list_events(

@@ -101,7 +101,9 @@ class Rollout(BaseModel):
     started_at: float | None = None
     ended_at: float | None = None
     error: str | None = None
-    attempt_key: str | None = None
+    # The current attempt's two keys (agl/core/auth.py), in the admin's answers only.
+    attempt_key: str | None = None  # the model key: the proxy
+    report_key: str | None = None  # events, the attempt's end, the rollout
 
 
 class StatusPatch(_Strict):

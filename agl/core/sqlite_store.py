@@ -208,6 +208,7 @@ def _rollout(row: tuple[Any, ...]) -> Rollout:
         input=orjson.loads(row[13]),
         metadata=orjson.loads(row[14]),
         attempt_key=None,
+        report_key=None,
     )
 
 

@@ -74,6 +74,10 @@ ROLE = "agl.dev/role"
 ROLLOUT_ID = "agl.dev/rollout-id"  # annotation: the exact id (a label value is limited)
 KEY_ENV = "OPENAI_API_KEY"
 SECRET_KEY = "api-key"
+# The report key (agl/core/auth.py) rides in the same Secret; the Job's ``python -m
+# agl.agent`` takes it out of its environment before the harness starts.
+REPORT_ENV = "AGL_REPORT_KEY"
+REPORT_SECRET_KEY = "report-key"
 DELETED = "Job deleted before it finished"
 NAME_MAX = 63  # a Job's name becomes a label value of its pods
 RETRYABLE = frozenset({429, 500, 502, 503, 504})
@@ -232,7 +236,10 @@ def own_job(
     pod_spec["restartPolicy"] = "Never"
     pod_spec.setdefault("automountServiceAccountToken", False)
     ours = [{"name": k, "value": v} for k, v in env.items() if k != KEY_ENV]
-    ours.append({"name": KEY_ENV, "valueFrom": {"secretKeyRef": {"name": name, "key": SECRET_KEY}}})
+    ours += [
+        {"name": env_name, "valueFrom": {"secretKeyRef": {"name": name, "key": secret_key}}}
+        for env_name, secret_key in ((KEY_ENV, SECRET_KEY), (REPORT_ENV, REPORT_SECRET_KEY))
+    ]
     names = {e["name"] for e in ours}
     for container in pod_spec["containers"]:
         if not isinstance(container, dict):
@@ -452,7 +459,9 @@ class K8sExecutor:
         try:
             await self._bucket.take()
             job = self._job(name, launch)
-            await self._call(self._create_secret, name, launch.env.get(KEY_ENV, ""))
+            await self._call(
+                self._create_secret, name, launch.env.get(KEY_ENV, ""), launch.report_key
+            )
             try:
                 await self._call(self._create_job, job)
             except ValueError:  # refused: its Secret must not linger
@@ -592,13 +601,16 @@ class K8sExecutor:
                 raise RuntimeError(f"{what}: the executor is closing")
             wait = min(wait * 2, 5.0)
 
-    def _create_secret(self, name: str, key: str) -> None:
+    def _create_secret(self, name: str, key: str, report_key: str) -> None:
         body = {
             "apiVersion": "v1",
             "kind": "Secret",
             "metadata": {"name": name, "labels": dict(self.labels)},
             "type": "Opaque",
-            "data": {SECRET_KEY: base64.b64encode(key.encode()).decode()},
+            "data": {
+                secret_key: base64.b64encode(value.encode()).decode()
+                for secret_key, value in ((SECRET_KEY, key), (REPORT_SECRET_KEY, report_key))
+            },
         }
         try:
             self._retrying(

@@ -33,6 +33,7 @@ from typing import Any
 
 import orjson
 
+from agl.agent import ENV_REPORT_FD, report_pipe
 from agl.backends.execution.worker import READ_LIMIT, split_harness
 from agl.core.controller import ORPHANED, Exit, Key, Launch
 from agl.core.services import die_with_parent
@@ -309,6 +310,7 @@ class _WorkerPool:
             "attempt": launch.attempt,
             "timeout_s": launch.timeout_s,
             "env": launch.env,
+            "report_key": launch.report_key,
         }
         try:
             process.stdin.write(orjson.dumps(message) + b"\n")
@@ -408,13 +410,18 @@ class _CommandRunner:
         self.exits.append(Exit(*key, error))
 
     async def _execute(self, launch: Launch, stem: Path) -> str | None:
-        with open(f"{stem}.out", "wb") as out, open(f"{stem}.err", "wb") as err:
+        with (
+            open(f"{stem}.out", "wb") as out,
+            open(f"{stem}.err", "wb") as err,
+            report_pipe(launch.report_key) as report_fd,
+        ):
             process = await asyncio.create_subprocess_shell(
                 self.command,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
-                env={**self.env, **launch.env},
+                env={**self.env, **launch.env, ENV_REPORT_FD: str(report_fd)},
+                pass_fds=(report_fd,),
                 start_new_session=True,
                 preexec_fn=die_with_parent(),
             )

@@ -12,7 +12,8 @@ in the log and can never corrupt the protocol:
 
 - worker → parent, once: ``{"ready": true, "pid": N}`` or ``{"ready": false, "error": "..."}``
   (then the worker exits with code 2);
-- parent → worker, per attempt: ``{"rollout_id", "attempt", "timeout_s", "env"}``;
+- parent → worker, per attempt: ``{"rollout_id", "attempt", "timeout_s", "env",
+  "report_key"}`` (the report key apart from the harness's ``env``);
 - worker → parent, per attempt: ``{"rollout_id", "attempt", "error"}``, ``error`` None when
   the harness returned, else one line: ``"timed out after N s"`` or ``"Type: message"``;
 - parent → worker: ``{"stop": true, "rollout_id", "attempt"}`` cancels that attempt; its
@@ -34,6 +35,7 @@ process. It must not block the loop (run blocking work with ``asyncio.to_thread`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import logging
@@ -47,6 +49,7 @@ from typing import Any
 import httpx
 import orjson
 
+from agl.agent import ENV_ATTEMPT, ENV_ROLLOUT, holding_report_key, undumpable
 from agl.core.client import fast_http_client
 from agl.core.controller import ORPHANED
 
@@ -111,16 +114,24 @@ def _timeout_text(timeout_s: float) -> str:
 
 
 async def run_attempt(
-    harness: Harness, env: Mapping[str, str], timeout_s: float | None
+    harness: Harness, env: Mapping[str, str], timeout_s: float | None, report_key: str = ""
 ) -> str | None:
     """Run one attempt; None when the harness returned, else why it did not (one line).
+    ``report_key`` is held for the harness's ``AgentContext.from_env`` (never put in
+    ``env``, which the harness hands to its tools).
 
     Only the worker's own deadline reads as a timeout: a ``TimeoutError`` the harness
     raises itself is reported as the exception it is."""
     deadline = asyncio.timeout(timeout_s)
+    held = (
+        holding_report_key(env.get(ENV_ROLLOUT, ""), _attempt_of(env), report_key)
+        if report_key
+        else contextlib.nullcontext()
+    )
     try:
         async with deadline:
-            await harness(env)
+            with held:
+                await harness(env)
     except TimeoutError as error:
         return _timeout_text(timeout_s or 0) if deadline.expired() else one_line(error)
     except asyncio.CancelledError:
@@ -150,7 +161,12 @@ class _Worker:
     async def attempt(self, message: dict[str, Any]) -> None:
         key = (message["rollout_id"], message["attempt"])
         try:
-            error = await run_attempt(self.harness, message["env"], message.get("timeout_s"))
+            error = await run_attempt(
+                self.harness,
+                message["env"],
+                message.get("timeout_s"),
+                message.get("report_key") or "",
+            )
         except asyncio.CancelledError:
             if key not in self.stopped:
                 raise
@@ -209,6 +225,13 @@ async def _main(spec: str, concurrency: int, fd_in: int, fd_out: int) -> int:
     return 0
 
 
+def _attempt_of(env: Mapping[str, str]) -> int:
+    try:
+        return int(env.get(ENV_ATTEMPT, ""))
+    except ValueError:
+        return -1  # from_env refuses it with its own message
+
+
 def _private_pipes() -> tuple[int, int]:
     """Move the protocol pipes off fd 0/1; fd 0 reads /dev/null, fd 1 writes the log."""
     fd_in, fd_out = os.dup(0), os.dup(1)
@@ -225,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 2 or not args[1].isdigit():
         sys.stderr.write("usage: python -m agl.backends.execution.worker HARNESS CONCURRENCY\n")
         raise SystemExit(2)
+    undumpable()  # the report keys of the attempts it runs live in its memory
     fd_in, fd_out = _private_pipes()
     # The log is a file: line buffering keeps harness prints in order with our records.
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
