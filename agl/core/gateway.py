@@ -70,6 +70,10 @@ log = logging.getLogger(__name__)
 MAX_PAGE = 1000
 MAX_EVENT_PAGE = 10_000
 
+INTERNAL_ERROR = "internal error; see the gateway log"
+# What Starlette's own refusals (no such route, a method the route lacks) say.
+_ROUTING_ERRORS = {404: "no route {method} {path}", 405: "method {method} is not allowed on {path}"}
+
 
 MIN_SECRET_CHARS = 16
 
@@ -218,23 +222,17 @@ class RateLimited(ApiError):
     (which the openai client prefers), OpenAI's ``rate_limit_error`` type."""
 
     def __init__(self, message: str, wait_s: float) -> None:
-        super().__init__(429, message)
-        self.wait_s = wait_s
-
-    def response(self) -> Response:
-        body = {
-            "error": {"message": self.message, "type": "rate_limit_error", "code": 429},
-            "retry_after_s": round(self.wait_s, 3),
-        }
-        return Response(
-            orjson.dumps(body),
-            status_code=429,
-            media_type="application/json",
+        super().__init__(
+            429,
+            message,
+            code="rate_limit_exceeded",
             headers={
-                "Retry-After": str(max(1, math.ceil(self.wait_s))),
-                "retry-after-ms": str(max(1, math.ceil(self.wait_s * 1000))),
+                "Retry-After": str(max(1, math.ceil(wait_s))),
+                "retry-after-ms": str(max(1, math.ceil(wait_s * 1000))),
             },
+            retry_after_s=round(wait_s, 3),
         )
+        self.wait_s = wait_s
 
 
 _SPECS = TypeAdapter(list[RolloutSpec])
@@ -426,7 +424,7 @@ class FastLane:
             response = error.response()
         except Exception:
             log.exception("unhandled error on %s", scope["path"])
-            response = error_response(500, "internal error; see the gateway log")
+            response = error_response(500, INTERNAL_ERROR)
         await response(scope, receive, send)
 
 
@@ -549,7 +547,7 @@ class Gateway:
         except ApiError as error:
             if dialect is None:
                 raise
-            return _dialect_error(dialect, error)
+            return dialect_error(dialect, error)
 
     async def proxy_completions(
         self, request: Request, rollout_id: str, attempt: int, mode: str
@@ -567,7 +565,7 @@ class Gateway:
             await self._check_live(request, rollout_id, attempt, mode)
             return await self.proxy.count_tokens(rollout_id, await request.body())
         except ApiError as error:
-            return _dialect_error(ANTHROPIC, error)
+            return dialect_error(ANTHROPIC, error)
 
     async def _check_live(self, request: Request, rollout_id: str, attempt: int, mode: str) -> None:
         principal = self.for_attempt(request, rollout_id, attempt)
@@ -682,7 +680,15 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, error: StarletteHTTPException) -> Response:
-        return error_response(error.status_code, str(error.detail))
+        message = _ROUTING_ERRORS.get(error.status_code, "{detail}").format(
+            detail=error.detail, method=request.method, path=request.url.path
+        )
+        return error_response(error.status_code, message, headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def on_unhandled_error(request: Request, error: Exception) -> Response:
+        # Starlette logs the traceback after this answer; the client gets no traceback.
+        return error_response(500, INTERNAL_ERROR)
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -881,16 +887,6 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
 
     fast_lane = FastLane(app, gateway=lambda: holder["gateway"])
     return BodyLimit(fast_lane, max_bytes=int(config.max_body_mb * 2**20))
-
-
-def _dialect_error(dialect: Dialect, error: ApiError) -> Response:
-    """``error`` in the shape of the API the harness spoke (with its Retry-After)."""
-    response = dialect_error(dialect, error.status, error.message)
-    if isinstance(error, RateLimited):
-        response.headers.update(
-            {k: v for k, v in error.response().headers.items() if "retry-after" in k}
-        )
-    return response
 
 
 def _admission(gate: AdmissionGate, drained: bool) -> Admission:
