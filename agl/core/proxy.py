@@ -13,9 +13,9 @@ missing from the record.
 The bytes sent are stored with the event as a pending answer until all of them are with
 the kernel. When the gateway dies in between, the harness never saw an answer the
 record holds; its retry of the same request (byte-identical, as OpenAI clients resend)
-from the same attempt gets those bytes again from the next gateway process instead of a
-second sample, so the call is recorded once. Within one process an identical request is
-a new call: a harness may sample the same prompt twice on purpose.
+from the same attempt, to the same API, gets those bytes again from the next gateway
+process instead of a second sample, so the call is recorded once. Within one process an
+identical request is a new call: a harness may sample the same prompt twice on purpose.
 """
 
 from __future__ import annotations
@@ -366,7 +366,9 @@ class RecordingProxy:
             sampling = requested_sampling(request)
         except SamplingError as error:
             return api.error(ApiError(400, str(error)))
-        request_hash = hashlib.sha256(body).digest()
+        # The API is part of the request: the same bytes sent to another API's route (a
+        # chat body is often a valid Messages body) are another call, not a retry.
+        request_hash = hashlib.sha256(api.name.encode() + b"\n" + body).digest()
         lost = await self.store.claim_answer(rollout_id, attempt, request_hash, self.boot)
         if lost is not None:
             log.info(
