@@ -484,6 +484,23 @@ class Gateway:
             )
         return principal
 
+    async def readable(self, request: Request, rollout_id: str) -> tuple[Principal, Rollout]:
+        """The request's principal and the rollout, if it may read it: the admin any
+        rollout, an attempt key its own while its attempt is the current one. A key is
+        refused before the lookup, so that another rollout answers the same 403 whether it
+        exists or not: no key can learn which rollouts there are."""
+        principal = self.principal(request)
+        if not principal.admin and principal.rollout_id != rollout_id:
+            raise ApiError(403, f"this key is not valid for rollout {rollout_id!r}")
+        rollout = await self.rollout(rollout_id)
+        if not principal.may_act_for(rollout_id, rollout.attempt):
+            raise ApiError(
+                403,
+                f"this key's attempt {principal.attempt} of rollout {rollout_id!r} is over "
+                f"(the rollout is at attempt {rollout.attempt})",
+            )
+        return principal, rollout
+
     # -- records -------------------------------------------------------------------
 
     def rollout_json(self, rollout: Rollout, admin: bool) -> dict[str, Any]:
@@ -730,10 +747,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
     @app.get("/api/rollouts/{rollout_id}")
     async def get_rollout(request: Request, rollout_id: str) -> Response:
         g = gw()
-        principal = g.principal(request)
-        rollout = await g.rollout(rollout_id)
-        if not principal.may_act_for(rollout_id, rollout.attempt):
-            raise ApiError(403, f"this key is not valid for rollout {rollout_id!r}")
+        principal, rollout = await g.readable(request, rollout_id)
         return _json(g.rollout_json(rollout, principal.admin))
 
     @app.patch("/api/rollouts/{rollout_id}", openapi_extra=body(_PATCH))
@@ -766,10 +780,17 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         limit: int = 1000,
     ) -> Response:
         g = gw()
-        principal = g.principal(request)
-        rollout = await g.rollout(rollout_id)
-        if not principal.may_act_for(rollout_id, rollout.attempt):
-            raise ApiError(403, f"this key is not valid for rollout {rollout_id!r}")
+        principal, _ = await g.readable(request, rollout_id)
+        if not principal.admin:
+            # An attempt reads its own events only, not those of the attempts before it.
+            if attempt not in (None, principal.attempt):
+                raise ApiError(
+                    403,
+                    f"this key reads the events of its own attempt ({principal.attempt}) only, "
+                    f"not of attempt {attempt}",
+                    param="attempt",
+                )
+            attempt = principal.attempt
         if not 1 <= limit <= MAX_EVENT_PAGE:
             raise ApiError(422, f"limit must be between 1 and {MAX_EVENT_PAGE}")
         events = await g.store.list_events(
