@@ -115,6 +115,29 @@ def vllm_answer(content: str, stream: bool) -> bytes:
     )
 
 
+PROXY_ROOT = proxy_base_url("", "r", 1).removesuffix("/openai/v1")  # rollout r, attempt 1
+
+
+def lose_an_answer(
+    run_dir: Path, port: int, endpoint: str, fake: FakeVllm, path: str, body: bytes, stream: bool
+) -> str:
+    """A gateway on ``port`` that records rollout r's call of ``body`` to ``path`` and is
+    killed before its (big) answer left; answers the attempt's key."""
+    with gateway_process(run_dir, port=port) as gw, GatewayClient(gw.url, gw.token) as admin:
+        admin.register_models([{"model": "policy", "endpoint": endpoint}])
+        admin.create_rollouts([{"rollout_id": "r"}])
+        key = admin.patch_rollout("r", "running").attempt_key or ""
+        fake.raw_next = [vllm_answer(BIG, stream)]
+        harness = post_and_never_read(gw.url, path, key, body)
+        deadline = time.monotonic() + 30
+        while not admin.get_events("r", type="model_request"):
+            assert time.monotonic() < deadline, "the call was never recorded"
+            time.sleep(0.05)
+        gw.kill()
+        harness.close()
+    return key
+
+
 def post_and_never_read(url: str, path: str, key: str, body: bytes) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     sock = socket.socket()
@@ -146,19 +169,8 @@ def test_an_answer_lost_to_kill_9_is_replayed_to_the_retry(
     body = orjson.dumps(
         {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
     )
-    with gateway_process(run_dir, port=port) as gw, GatewayClient(gw.url, gw.token) as admin:
-        admin.register_models([{"model": "policy", "endpoint": upstream[0]}])
-        admin.create_rollouts([{"rollout_id": "r"}])
-        key = admin.patch_rollout("r", "running").attempt_key or ""
-        fake.raw_next = [vllm_answer(BIG, stream)]
-        path = proxy_base_url(gw.url, "r", 1).removeprefix(gw.url) + "/chat/completions"
-        harness = post_and_never_read(gw.url, path, key, body)
-        deadline = time.monotonic() + 30
-        while not admin.get_events("r", type="model_request"):
-            assert time.monotonic() < deadline, "the call was never recorded"
-            time.sleep(0.05)
-        gw.kill()
-        harness.close()
+    path = PROXY_ROOT + "/openai/v1/chat/completions"
+    key = lose_an_answer(run_dir, port, upstream[0], fake, path, body, stream)
 
     with gateway_process(run_dir, port=port) as gw, GatewayClient(gw.url, gw.token) as admin:
         url = gw.url + path
@@ -173,3 +185,33 @@ def test_an_answer_lost_to_kill_9_is_replayed_to_the_retry(
         assert again.status_code == 200 and "idempotent-replayed" not in again.headers
         assert content_of(again) == reply_for([{"role": "user", "content": "hi"}])
         assert len(admin.get_events("r", type="model_request")) == 2
+
+
+def test_a_lost_answer_is_replayed_only_to_the_api_it_was_asked_of(
+    run_dir: Path, upstream: tuple[str, FakeVllm], fake: FakeVllm
+) -> None:
+    """A chat body is often a valid Messages body too: after the gateway died with a chat
+    answer unsent, the same bytes to ``/anthropic/v1/messages`` are a new call (answered
+    in Messages' shape, not with the chat answer), and the chat retry still gets its own."""
+    port = free_port()
+    body = orjson.dumps(
+        {"model": "policy", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    chat_path = PROXY_ROOT + "/openai/v1/chat/completions"
+    key = lose_an_answer(run_dir, port, upstream[0], fake, chat_path, body, stream=False)
+
+    with gateway_process(run_dir, port=port) as gw, GatewayClient(gw.url, gw.token) as admin:
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        messages = httpx.post(
+            gw.url + PROXY_ROOT + "/anthropic/v1/messages",
+            content=body,
+            headers=headers,
+            timeout=60,
+        )
+        assert messages.status_code == 200 and "idempotent-replayed" not in messages.headers
+        assert messages.json()["type"] == "message", messages.text[:300]
+        chat = httpx.post(gw.url + chat_path, content=body, headers=headers, timeout=60)
+        assert chat.status_code == 200 and chat.headers.get("idempotent-replayed") == "true"
+        assert content_of(chat) == BIG
+        calls = admin.get_events("r", type="model_request")
+        assert [c.data.get("api", "chat") for c in calls] == ["chat", "anthropic"]

@@ -83,8 +83,8 @@ def target(gateway: GatewayProcess, upstream: tuple[str, FakeVllm]) -> Iterator[
 
 
 def assert_error_shape(response: httpx.Response | Any) -> None:
-    """A 4xx says what was wrong: ``{"error": {"message": ...}}``, the gateway's own shape
-    (errors.py) or the endpoint's, which the proxy passes on as it came."""
+    """A 4xx says what was wrong: ``{"error": {"message": ...}}``, the gateway's one shape
+    (errors.py), in which the proxy also wraps the endpoint's errors."""
     body = response.json()
     assert isinstance(body, dict) and isinstance(body.get("error"), dict), body
     assert isinstance(body["error"].get("message"), str) and body["error"]["message"], body

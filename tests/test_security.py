@@ -204,6 +204,65 @@ def test_the_key_of_an_earlier_attempt_reaches_nothing(
     assert fake.requests == []
 
 
+def test_an_attempt_key_reads_only_its_own_attempts_events(
+    gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout]
+) -> None:
+    r = running(max_attempts=2)
+    admin.post_events(r.rollout_id, 1, [EventIn(type="note", data="first try")])
+    admin.patch_rollout(r.rollout_id, "failed")
+    admin.patch_rollout(r.rollout_id, "queuing")
+    now = admin.patch_rollout(r.rollout_id, "running")
+    admin.post_events(r.rollout_id, 2, [EventIn(type="note", data="second try")])
+    events = f"/api/rollouts/{r.rollout_id}/events"
+    earlier = raw(gateway.url, "GET", events + "?attempt=1", now.attempt_key)
+    assert earlier.status_code == 403 and "own attempt (2)" in error_message(earlier)
+    for query in ("", "?attempt=2", "?type=note"):
+        own = raw(gateway.url, "GET", events + query, now.attempt_key)
+        assert own.status_code == 200, (query, own.text)
+        assert [e["data"] for e in own.json()["items"]] == ["second try"], query
+    # The admin reads every attempt.
+    assert [e.data for e in admin.get_events(r.rollout_id, attempt=1)] == ["first try"]
+    assert [e.data for e in admin.get_events(r.rollout_id)] == ["first try", "second try"]
+
+
+def test_another_rollout_answers_the_same_403_whether_it_exists_or_not(
+    gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout]
+) -> None:
+    """No key can learn which rollouts exist: every route that takes a rollout id refuses
+    another rollout before looking it up."""
+    key = running().attempt_key
+    present, absent = running().rollout_id, new_id()
+    messages = {**CHAT, "max_tokens": 8}
+
+    def calls(rid: str) -> list[tuple[str, str, object]]:
+        root = proxy_base_url("", rid, 1).removesuffix("/openai/v1")
+        return [
+            ("GET", f"/api/rollouts/{rid}", None),
+            ("GET", f"/api/rollouts/{rid}/events", None),
+            ("GET", f"/api/rollouts/{rid}/events?attempt=1", None),
+            ("GET", f"/api/rollouts/{rid}/transitions", None),
+            ("PATCH", f"/api/rollouts/{rid}", {"status": "failed"}),
+            ("PATCH", f"/api/rollouts/{rid}/attempt/1", {"status": "succeeded"}),
+            ("POST", events_path(rid, 1), REWARD),
+            ("POST", chat_path(rid, 1), CHAT),
+            ("POST", root + "/openai/v1/completions", {"model": "policy", "prompt": "hi"}),
+            ("POST", root + "/openai/v1/responses", {"model": "policy", "input": "hi"}),
+            ("POST", root + "/anthropic/v1/messages", messages),
+            ("POST", root + "/anthropic/v1/messages/count_tokens", CHAT),
+        ]
+
+    for (method, path, body), (_, missing, _) in zip(calls(present), calls(absent), strict=True):
+        there = raw(gateway.url, method, path, key, json=body)
+        not_there = raw(gateway.url, method, missing, key, json=body)
+        assert there.status_code == not_there.status_code == 403, (path, not_there.text)
+        assert there.text.replace(present, "R") == not_there.text.replace(absent, "R"), path
+    # The admin is told what is there.
+    for path in (f"/api/rollouts/{absent}", f"/api/rollouts/{absent}/events"):
+        assert raw(gateway.url, "GET", path, gateway.token).status_code == 404
+    assert admin.get_rollout(present).status == "running"
+    assert admin.get_events(present) == []
+
+
 @pytest.mark.parametrize("kind", ["model_request", "model_request_failed"])
 def test_a_key_cannot_forge_what_the_proxy_records(
     gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout], kind: str

@@ -36,6 +36,7 @@ from agl.backends.inference.hf import (
 )
 from agl.backends.inference.models import LoadedModel, load_model
 from agl.core.client import GatewayClient, proxy_base_url
+from agl.core.errors import ErrorResponse
 from agl.testing.processes import free_port, gateway_process, serve_process
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
@@ -658,8 +659,8 @@ def test_bad_requests_get_an_openai_error(
 ) -> None:
     response = httpx.post(f"{served.url}/chat/completions", content=body, timeout=10)
     assert response.status_code == status
-    error = response.json()["error"]
-    assert says in error["message"] and error["code"] == status and error["type"]
+    error = ErrorResponse.model_validate_json(response.content).error
+    assert says in error.message and error.type
 
 
 def test_openai_client_sees_the_error_message(served: Served) -> None:

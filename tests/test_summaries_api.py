@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agl.core.client import AsyncGatewayClient, GatewayClient, GatewayError
+from agl.core.errors import ErrorResponse
 from agl.core.records import EventIn, Rollout, Status
 from agl.core.store import RolloutRow, SortKey, Summary, SummaryQuery
 from agl.testing.processes import GatewayProcess, gateway_process
@@ -274,9 +275,7 @@ def get(gateway: GatewayProcess, path: str, token: str | None, **params: Any) ->
 
 def refused(answer: httpx.Response, status: int) -> str:
     assert answer.status_code == status, answer.text
-    error = answer.json()["error"]
-    assert error["code"] == status and isinstance(error["type"], str)
-    return str(error["message"])
+    return ErrorResponse.model_validate_json(answer.content).error.message
 
 
 @pytest.mark.parametrize(

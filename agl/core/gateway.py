@@ -70,6 +70,10 @@ log = logging.getLogger(__name__)
 MAX_PAGE = 1000
 MAX_EVENT_PAGE = 10_000
 
+INTERNAL_ERROR = "internal error; see the gateway log"
+# What Starlette's own refusals (no such route, a method the route lacks) say.
+_ROUTING_ERRORS = {404: "no route {method} {path}", 405: "method {method} is not allowed on {path}"}
+
 
 MIN_SECRET_CHARS = 16
 
@@ -218,23 +222,17 @@ class RateLimited(ApiError):
     (which the openai client prefers), OpenAI's ``rate_limit_error`` type."""
 
     def __init__(self, message: str, wait_s: float) -> None:
-        super().__init__(429, message)
-        self.wait_s = wait_s
-
-    def response(self) -> Response:
-        body = {
-            "error": {"message": self.message, "type": "rate_limit_error", "code": 429},
-            "retry_after_s": round(self.wait_s, 3),
-        }
-        return Response(
-            orjson.dumps(body),
-            status_code=429,
-            media_type="application/json",
+        super().__init__(
+            429,
+            message,
+            code="rate_limit_exceeded",
             headers={
-                "Retry-After": str(max(1, math.ceil(self.wait_s))),
-                "retry-after-ms": str(max(1, math.ceil(self.wait_s * 1000))),
+                "Retry-After": str(max(1, math.ceil(wait_s))),
+                "retry-after-ms": str(max(1, math.ceil(wait_s * 1000))),
             },
+            retry_after_s=round(wait_s, 3),
         )
+        self.wait_s = wait_s
 
 
 _SPECS = TypeAdapter(list[RolloutSpec])
@@ -426,7 +424,7 @@ class FastLane:
             response = error.response()
         except Exception:
             log.exception("unhandled error on %s", scope["path"])
-            response = error_response(500, "internal error; see the gateway log")
+            response = error_response(500, INTERNAL_ERROR)
         await response(scope, receive, send)
 
 
@@ -503,6 +501,24 @@ class Gateway:
             reporter(principal)
         return principal
 
+    async def readable(self, request: Request, rollout_id: str) -> tuple[Principal, Rollout]:
+        """The request's principal and the rollout, if it may read it: the admin any
+        rollout, an attempt's report key its own while its attempt is the current one. A key is
+        refused before the lookup, so that another rollout answers the same 403 whether it
+        exists or not: no key can learn which rollouts there are."""
+        principal = self.principal(request)
+        if not principal.admin and principal.rollout_id != rollout_id:
+            raise ApiError(403, f"this key is not valid for rollout {rollout_id!r}")
+        reporter(principal)
+        rollout = await self.rollout(rollout_id)
+        if not principal.may_act_for(rollout_id, rollout.attempt):
+            raise ApiError(
+                403,
+                f"this key's attempt {principal.attempt} of rollout {rollout_id!r} is over "
+                f"(the rollout is at attempt {rollout.attempt})",
+            )
+        return principal, rollout
+
     # -- records -------------------------------------------------------------------
 
     def rollout_json(self, rollout: Rollout, admin: bool) -> dict[str, Any]:
@@ -566,7 +582,7 @@ class Gateway:
         except ApiError as error:
             if dialect is None:
                 raise
-            return _dialect_error(dialect, error)
+            return dialect_error(dialect, error)
 
     async def proxy_completions(
         self, request: Request, rollout_id: str, attempt: int, mode: str
@@ -584,7 +600,7 @@ class Gateway:
             await self._check_live(request, rollout_id, attempt, mode)
             return await self.proxy.count_tokens(rollout_id, await request.body())
         except ApiError as error:
-            return _dialect_error(ANTHROPIC, error)
+            return dialect_error(ANTHROPIC, error)
 
     async def _check_live(self, request: Request, rollout_id: str, attempt: int, mode: str) -> None:
         principal = self.for_attempt(request, rollout_id, attempt, report=False)
@@ -699,7 +715,15 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, error: StarletteHTTPException) -> Response:
-        return error_response(error.status_code, str(error.detail))
+        message = _ROUTING_ERRORS.get(error.status_code, "{detail}").format(
+            detail=error.detail, method=request.method, path=request.url.path
+        )
+        return error_response(error.status_code, message, headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def on_unhandled_error(request: Request, error: Exception) -> Response:
+        # Starlette logs the traceback after this answer; the client gets no traceback.
+        return error_response(500, INTERNAL_ERROR)
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -741,11 +765,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
     @app.get("/api/rollouts/{rollout_id}")
     async def get_rollout(request: Request, rollout_id: str) -> Response:
         g = gw()
-        principal = g.principal(request)
-        rollout = await g.rollout(rollout_id)
-        if not principal.may_act_for(rollout_id, rollout.attempt):
-            raise ApiError(403, f"this key is not valid for rollout {rollout_id!r}")
-        reporter(principal)
+        principal, rollout = await g.readable(request, rollout_id)
         return _json(g.rollout_json(rollout, principal.admin))
 
     @app.patch("/api/rollouts/{rollout_id}", openapi_extra=body(_PATCH))
@@ -778,11 +798,17 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         limit: int = 1000,
     ) -> Response:
         g = gw()
-        principal = g.principal(request)
-        rollout = await g.rollout(rollout_id)
-        if not principal.may_act_for(rollout_id, rollout.attempt):
-            raise ApiError(403, f"this key is not valid for rollout {rollout_id!r}")
-        reporter(principal)
+        principal, _ = await g.readable(request, rollout_id)
+        if not principal.admin:
+            # An attempt reads its own events only, not those of the attempts before it.
+            if attempt not in (None, principal.attempt):
+                raise ApiError(
+                    403,
+                    f"this key reads the events of its own attempt ({principal.attempt}) only, "
+                    f"not of attempt {attempt}",
+                    param="attempt",
+                )
+            attempt = principal.attempt
         if not 1 <= limit <= MAX_EVENT_PAGE:
             raise ApiError(422, f"limit must be between 1 and {MAX_EVENT_PAGE}")
         events = await g.store.list_events(
@@ -900,16 +926,6 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
 
     fast_lane = FastLane(app, gateway=lambda: holder["gateway"])
     return BodyLimit(fast_lane, max_bytes=int(config.max_body_mb * 2**20))
-
-
-def _dialect_error(dialect: Dialect, error: ApiError) -> Response:
-    """``error`` in the shape of the API the harness spoke (with its Retry-After)."""
-    response = dialect_error(dialect, error.status, error.message)
-    if isinstance(error, RateLimited):
-        response.headers.update(
-            {k: v for k, v in error.response().headers.items() if "retry-after" in k}
-        )
-    return response
 
 
 def _admission(gate: AdmissionGate, drained: bool) -> Admission:

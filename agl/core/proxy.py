@@ -13,9 +13,9 @@ missing from the record.
 The bytes sent are stored with the event as a pending answer until all of them are with
 the kernel. When the gateway dies in between, the harness never saw an answer the
 record holds; its retry of the same request (byte-identical, as OpenAI clients resend)
-from the same attempt gets those bytes again from the next gateway process instead of a
-second sample, so the call is recorded once. Within one process an identical request is
-a new call: a harness may sample the same prompt twice on purpose.
+from the same attempt, to the same API, gets those bytes again from the next gateway
+process instead of a second sample, so the call is recorded once. Within one process an
+identical request is a new call: a harness may sample the same prompt twice on purpose.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from starlette.types import Receive, Scope, Send
 from agl.core.admission import AdmissionGate, Ticket
 from agl.core.calls import invalid_reason
 from agl.core.dialects import ANTHROPIC, Dialect, DialectError, StreamTranslator
-from agl.core.errors import ApiError, error_response
+from agl.core.errors import ApiError, json_error, upstream_error
 from agl.core.records import MODEL_REQUEST, MODEL_REQUEST_FAILED, EventIn, ModelEndpoint, storable
 from agl.core.sampling import (
     SamplingError,
@@ -171,10 +171,8 @@ class _ChatApi:
     def stream(self) -> _ChatStream:
         return _ChatStream(self.request, self.keep_logprobs)
 
-    def error(self, status: int, message: str, upstream_body: bytes | None = None) -> Response:
-        if upstream_body is not None and _is_json_object(upstream_body):
-            return Response(upstream_body, status_code=status, media_type="application/json")
-        return error_response(status, message)
+    def error(self, error: ApiError) -> Response:
+        return error.response()
 
 
 @dataclass(frozen=True)
@@ -233,8 +231,8 @@ class _DialectApi:
     def stream(self) -> StreamTranslator:
         return self.dialect.stream(self.request)
 
-    def error(self, status: int, message: str, upstream_body: bytes | None = None) -> Response:
-        return dialect_error(self.dialect, status, message)
+    def error(self, error: ApiError) -> Response:
+        return dialect_error(self.dialect, error)
 
 
 def _for_harness(
@@ -252,12 +250,11 @@ def _for_harness(
     return answer
 
 
-def dialect_error(dialect: Dialect, status: int, message: str) -> Response:
-    return Response(
-        orjson.dumps(dialect.error_body(status, message)),
-        status_code=status,
-        media_type="application/json",
-    )
+def dialect_error(dialect: Dialect, error: ApiError) -> Response:
+    """``error`` in the shape of the API the harness spoke, with its headers (a 429's
+    Retry-After) and its fields beside ``error`` (a 409's ``current``)."""
+    body = dialect.error_body(error.status, error.message, error.param, error.code)
+    return json_error(error.status, {**body, **error.extra}, error.headers)
 
 
 _Api = _ChatApi | _TextApi | _DialectApi
@@ -310,7 +307,7 @@ class RecordingProxy:
             try:
                 request = dialect.to_chat(original)
             except DialectError as error:
-                return api.error(error.status, error.message)
+                return api.error(error)
         if not isinstance(request.get("messages"), list):
             raise ApiError(400, "a chat completion needs a JSON object with a 'messages' list")
         return await self._call(rollout_id, attempt, mode, body, api, request)
@@ -334,7 +331,7 @@ class RecordingProxy:
         try:
             request = ANTHROPIC.count_tokens_request(_request_of(body))
         except DialectError as error:
-            return dialect_error(ANTHROPIC, error.status, error.message)
+            return dialect_error(ANTHROPIC, error)
         endpoint = self.router.pick(request.get("model"), rollout_id)
         query = {**request, "model": endpoint.model}
         query.setdefault("add_generation_prompt", True)
@@ -342,18 +339,18 @@ class RecordingProxy:
         try:
             upstream = await self.upstream.open(url, orjson.dumps(query))
         except UpstreamUnavailable as error:
-            return dialect_error(ANTHROPIC, 502, f"inference endpoint unreachable: {error}")
+            return dialect_error(ANTHROPIC, _unreachable(error))
         async with upstream:
             payload = await upstream.read()
         if upstream.status != 200:
-            message = f"the endpoint's /tokenize answered: {_upstream_message(payload)}"
-            return dialect_error(ANTHROPIC, upstream.status, message)
+            failed = upstream_error(upstream.status, payload, "the endpoint's /tokenize")
+            return dialect_error(ANTHROPIC, failed)
         try:
             count = orjson.loads(payload)["count"]
         except _MALFORMED:  # orjson.JSONDecodeError is a ValueError
             count = None
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            return dialect_error(ANTHROPIC, 502, "the endpoint's /tokenize gave no count")
+            return dialect_error(ANTHROPIC, ApiError(502, "the endpoint's /tokenize gave no count"))
         return Response(orjson.dumps({"input_tokens": count}), media_type="application/json")
 
     async def _call(
@@ -368,8 +365,10 @@ class RecordingProxy:
         try:
             sampling = requested_sampling(request)
         except SamplingError as error:
-            return api.error(400, str(error))
-        request_hash = hashlib.sha256(body).digest()
+            return api.error(ApiError(400, str(error)))
+        # The API is part of the request: the same bytes sent to another API's route (a
+        # chat body is often a valid Messages body) are another call, not a retry.
+        request_hash = hashlib.sha256(api.name.encode() + b"\n" + body).digest()
         lost = await self.store.claim_answer(rollout_id, attempt, request_hash, self.boot)
         if lost is not None:
             log.info(
@@ -385,7 +384,7 @@ class RecordingProxy:
             try:
                 endpoint = self.router.pick(request.get("model"), rollout_id)
             except ApiError as error:
-                return api.error(error.status, error.message)
+                return api.error(error)
             forwarded = {
                 **request,
                 "model": endpoint.model,
@@ -415,13 +414,11 @@ class RecordingProxy:
         try:
             upstream = await self.upstream.open(url, body)
         except UpstreamUnavailable as error:
-            return await self._failed(call, 502, f"inference endpoint unreachable: {error}")
+            return await self._failed(call, _unreachable(error))
         async with upstream:
             payload = await upstream.read()
             if upstream.status != 200:
-                return await self._failed(
-                    call, upstream.status, _upstream_message(payload), body=payload
-                )
+                return await self._failed(call, upstream_error(upstream.status, payload))
         try:
             answer = orjson.loads(payload)
             calls = [
@@ -439,7 +436,7 @@ class RecordingProxy:
             ]
         except _MALFORMED as error:
             return await self._failed(
-                call, 502, f"endpoint answered a malformed completion: {error!r}"
+                call, ApiError(502, f"endpoint answered a malformed completion: {error!r}")
             )
         sent = call.api.answer(answer)
         answer_id = await self._record(call, calls, sent, stream=False)
@@ -456,15 +453,13 @@ class RecordingProxy:
         except BaseException as error:
             ticket.release()
             if isinstance(error, UpstreamUnavailable):
-                return await self._failed(call, 502, f"inference endpoint unreachable: {error}")
+                return await self._failed(call, _unreachable(error))
             raise
         if upstream.status != 200:
             async with upstream:
                 payload = await upstream.read()
             ticket.release()
-            return await self._failed(
-                call, upstream.status, _upstream_message(payload), body=payload
-            )
+            return await self._failed(call, upstream_error(upstream.status, payload))
 
         answer_ids: list[str] = []
         translator = call.api.stream()
@@ -633,11 +628,9 @@ class RecordingProxy:
             time.time(),
         )
 
-    async def _failed(
-        self, call: CallContext, status: int, message: str, body: bytes | None = None
-    ) -> Response:
-        await self._record_failure(call, status, message)
-        return call.api.error(status, message, body)
+    async def _failed(self, call: CallContext, error: ApiError) -> Response:
+        await self._record_failure(call, error.status, error.message)
+        return call.api.error(error)
 
 
 def _request_of(body: bytes) -> dict[str, Any]:
@@ -718,22 +711,5 @@ class _StreamThenClose(StreamingResponse):
             self._on_close()
 
 
-def _is_json_object(body: bytes) -> bool:
-    try:
-        return isinstance(orjson.loads(body), dict)
-    except orjson.JSONDecodeError:
-        return False
-
-
-def _upstream_message(body: bytes) -> str:
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return body[:500].decode(errors="replace")
-    if isinstance(parsed, dict):
-        error = parsed.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        if "message" in parsed:
-            return str(parsed["message"])
-    return str(parsed)[:500]
+def _unreachable(error: UpstreamUnavailable) -> ApiError:
+    return ApiError(502, f"inference endpoint unreachable: {error}", code="upstream_unreachable")

@@ -46,7 +46,7 @@ from starlette.routing import Route
 
 from agl.backends.inference.engine import Delta, Engine, EngineError, Generation, SamplingParams
 from agl.core.byte_level import byte_level_chars
-from agl.core.errors import ApiError, error_response
+from agl.core.errors import ApiError, error_body, error_response
 
 log = logging.getLogger(__name__)
 
@@ -926,9 +926,7 @@ async def _first_deltas(
 
 
 def _stream_error(error: EngineError) -> bytes:
-    return _sse(
-        {"error": {"message": f"generation failed: {error}", "type": "api_error", "code": 500}}
-    )
+    return _sse(error_body(500, f"generation failed: {error}"))
 
 
 def _usage(prompt_ids: list[int], outputs: list[ChoiceOutput]) -> dict[str, int]:

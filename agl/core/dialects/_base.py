@@ -8,17 +8,14 @@ from typing import Any, Protocol
 
 import orjson
 
+from agl.core.errors import ApiError
+
 log = logging.getLogger("agl.core.dialects")
 
 
-class DialectError(Exception):
+class DialectError(ApiError):
     """A request the translation cannot express; answer it with ``status`` (4xx) and
     ``message`` in the dialect's error shape (:meth:`Dialect.error_body`)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class StreamTranslator(Protocol):
@@ -46,7 +43,11 @@ class Dialect(Protocol):
 
     def stream(self, request: dict[str, Any]) -> StreamTranslator: ...
 
-    def error_body(self, status: int, message: str) -> dict[str, Any]: ...
+    def error_body(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> dict[str, Any]:
+        """The gateway's error shape (``agl.core.errors``) with the dialect's types."""
+        ...
 
 
 def sse(event: str, data: dict[str, Any]) -> bytes:

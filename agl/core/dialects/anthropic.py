@@ -36,6 +36,7 @@ from agl.core.dialects._chat import (
     new_id,
     outcome_of,
 )
+from agl.core.errors import error_body
 
 NAME = "anthropic"
 
@@ -93,9 +94,13 @@ class Anthropic:
     def stream(self, request: dict[str, Any]) -> AnthropicStream:
         return AnthropicStream(request)
 
-    def error_body(self, status: int, message: str) -> dict[str, Any]:
+    def error_body(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> dict[str, Any]:
+        # Anthropic's shape is {"type": "error", "error": {"type", "message"}}; the
+        # OpenAI fields inside "error" keep it the gateway's one shape as well.
         kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-        return {"type": "error", "error": {"type": kind, "message": message}}
+        return {"type": "error", **error_body(status, message, type=kind, param=param, code=code)}
 
 
 ANTHROPIC = Anthropic()

@@ -41,6 +41,7 @@ from agl.core.dialects._chat import (
     new_id,
     outcome_of,
 )
+from agl.core.errors import error_body
 
 NAME = "responses"
 
@@ -123,17 +124,18 @@ class Responses:
     def stream(self, request: dict[str, Any]) -> ResponsesStream:
         return ResponsesStream(request)
 
-    def error_body(self, status: int, message: str) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": message,
-                "type": _ERROR_TYPES.get(
-                    status, "server_error" if status >= 500 else "invalid_request_error"
-                ),
-                "param": None,
-                "code": "rate_limit_exceeded" if status == 429 else None,
-            }
-        }
+    def error_body(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> dict[str, Any]:
+        return error_body(
+            status,
+            message,
+            type=_ERROR_TYPES.get(
+                status, "server_error" if status >= 500 else "invalid_request_error"
+            ),
+            param=param,
+            code=code or ("rate_limit_exceeded" if status == 429 else None),
+        )
 
 
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
