@@ -35,6 +35,7 @@ from agl import ui
 from agl.core.admission import AdmissionGate
 from agl.core.auth import Keyring, Principal, bearer
 from agl.core.cli import check_port
+from agl.core.connections import BodyTimeout
 from agl.core.dialects import ANTHROPIC, RESPONSES, Dialect
 from agl.core.errors import ApiError, error_response
 from agl.core.lifecycle import IllegalTransition
@@ -91,6 +92,11 @@ class GatewayConfig:
     that key can call (proxy, events, reading its rollout, finishing its attempt); a call
     over it gets 429 with ``Retry-After``. ``attempt_rps=0`` turns the limit off. The
     admin token is never limited.
+
+    ``header_timeout_s`` / ``body_timeout_s``: a request whose headers are not all in
+    that long after its first byte (or the connection's opening), or whose body goes that
+    long without a byte while the gateway reads it, gets 408 and its connection closed
+    (:mod:`agl.core.connections`).
     """
 
     host: str = "127.0.0.1"
@@ -111,9 +117,14 @@ class GatewayConfig:
     # The run folder the viewer (/ui) reads: config (merge, advantage, tokenizer) and
     # agent logs. Default: run_dir's parent when it holds a config.yaml.
     ui_run: str = ""
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         check_port(self.port)
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.max_body_mb <= 0:
             raise ValueError(f"max_body_mb={self.max_body_mb} must be positive")
         if self.attempt_rps < 0:
@@ -612,8 +623,9 @@ class Gateway:
 
 
 def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
-    """The gateway as an ASGI app: FastAPI for the API, with the body limit and the fast
-    lane in front of it (outside FastAPI's own middleware, which the hot routes skip)."""
+    """The gateway as an ASGI app: FastAPI for the API, with the body timeout, the body
+    limit and the fast lane in front of it (outside FastAPI's own middleware, which the
+    hot routes skip)."""
     holder: dict[str, Gateway] = {}
 
     @asynccontextmanager
@@ -880,7 +892,8 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
     )
 
     fast_lane = FastLane(app, gateway=lambda: holder["gateway"])
-    return BodyLimit(fast_lane, max_bytes=int(config.max_body_mb * 2**20))
+    limited = BodyLimit(fast_lane, max_bytes=int(config.max_body_mb * 2**20))
+    return BodyTimeout(limited, timeout_s=config.body_timeout_s)
 
 
 def _dialect_error(dialect: Dialect, error: ApiError) -> Response:
