@@ -1,6 +1,6 @@
-"""Clients that send slowly, over raw sockets against a real gateway: every incomplete
-request is dropped (headers and body have read timeouts) while other clients are
-served."""
+"""Clients that send slowly or too much, over raw sockets against a real gateway: every
+incomplete request is dropped (headers and body have read timeouts) while other clients
+are served, and the unauthenticated login refuses a big body without reading it."""
 
 from __future__ import annotations
 
@@ -145,6 +145,51 @@ def answer_on(sock: socket.socket) -> http.client.HTTPResponse:
 
 def kept_alive(response: http.client.HTTPResponse) -> None:
     assert response.status == 200 and not response.will_close, response.headers
+
+
+# -- the login refuses a big body unread (finding 4 of issue 18) ------------------------------
+
+
+def login_head(*headers: str) -> bytes:
+    return head("POST", "/ui/login", "Content-Type: application/x-www-form-urlencoded", *headers)
+
+
+def test_a_login_announcing_a_huge_body_is_refused_before_it_is_sent(
+    slow_gateway: GatewayProcess,
+) -> None:
+    sock = connect(slow_gateway)
+    # 30 MiB announced (under the gateway's 32 MiB limit), not a byte of it sent.
+    sock.sendall(login_head(f"Content-Length: {30 * 2**20}"))
+    with sock:
+        refused = answer_on(sock)
+    assert refused.status == 413, refused.headers
+
+
+def test_a_chunked_login_past_the_form_limit_is_refused_before_it_ends(
+    slow_gateway: GatewayProcess,
+) -> None:
+    sock = connect(slow_gateway)
+    sock.sendall(login_head("Transfer-Encoding: chunked"))
+    for _ in range(3):  # 12 KiB of an 8 KiB form, and the body never ends
+        sock.sendall(b"1000\r\n" + b"t" * 4096 + b"\r\n")
+    with sock:
+        refused = answer_on(sock)
+    assert refused.status == 413, refused.headers
+
+
+def test_a_small_chunked_login_still_works(slow_gateway: GatewayProcess) -> None:
+    def form() -> Iterator[bytes]:
+        yield b"token="
+        yield TOKEN.encode() + b"&next=/ui"
+
+    answer = httpx.post(
+        f"{slow_gateway.url}/ui/login",
+        content=form(),
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        timeout=DEADLINE_S,
+    )
+    assert answer.status_code == 303, answer.text
+    assert "agl_ui=" in answer.headers["set-cookie"]
 
 
 def test_the_timeouts_must_be_positive(tmp_path: Path) -> None:

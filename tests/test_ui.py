@@ -109,6 +109,30 @@ def test_login_goes_only_to_viewer_pages(gateway: GatewayProcess) -> None:
             assert answer.headers["location"] == "/ui"
 
 
+def test_login_percent_encodes_where_it_goes_next(gateway: GatewayProcess) -> None:
+    group = f"组一-{uuid.uuid4().hex[:6]}"  # a group id in CJK: not Latin-1, as a header is
+    with GatewayClient(gateway.url, gateway.token) as admin:
+        admin.create_rollouts([{"rollout_id": f"r-{uuid.uuid4().hex[:12]}", "group_id": group}])
+    page = "/ui/groups/" + quote(group, safe="")
+    with ui_client(gateway, login=False) as client:
+        to_login = client.get(page)
+        assert to_login.status_code == 303
+        form = client.get(to_login.headers["location"])
+        target = re.search(r'name="next" value="([^"]*)"', form.text)
+        assert target is not None, form.text
+        answer = client.post("/ui/login", data={"token": TOKEN, "next": html.unescape(target[1])})
+        assert answer.status_code == 303, answer.text
+        assert answer.headers["location"] == page
+        assert client.get(page).status_code == 200
+        # Logged in, the login page sends a CJK target on as well.
+        again = client.get("/ui/login", params={"next": f"/ui?group={group}&sort=reward"})
+        assert again.status_code == 303
+        assert again.headers["location"] == f"/ui?group={quote(group)}&sort=reward"
+        for target in ("//evil.example", "https://evil.example", "/\\evil.example", "组"):
+            answer = client.post("/ui/login", data={"token": TOKEN, "next": target})
+            assert answer.headers["location"] == "/ui", target
+
+
 def test_an_attempt_key_never_opens_the_viewer(gateway: GatewayProcess, running: Any) -> None:
     rollout = running()
     key = rollout.attempt_key

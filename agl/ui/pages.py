@@ -142,10 +142,11 @@ def router(gateway: Callable[[], Gateway], admin_token: str, folder: Path | None
 
     @ui.post("/login")
     async def login(request: Request) -> Response:
-        body = await request.body()
-        if len(body) > session.MAX_FORM_BYTES:
-            return _html(render("login.html", message="form too large", next="/ui"), 413)
-        form = session.read_form(body)
+        try:
+            form = session.read_form(await session.read_small_body(request))
+        except session.FormTooLarge:
+            message = f"The form is larger than {session.MAX_FORM_BYTES} bytes."
+            return _html(render("login.html", message=message, next="/ui"), 413)
         target = session.safe_next(form.get("next"))
         typed = form.get("token", "")
         if session.valid_token(typed, admin_token):

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote
+
+from starlette.requests import Request
 
 COOKIE = "agl_ui"
 LOGIN = "/ui/login"
 MAX_FORM_BYTES = 8192
 _PURPOSE = b"agl ui session v1"
+# What a redirect target keeps as it is; anything else (non-ASCII, spaces, quotes) is
+# percent-encoded, since an HTTP header is Latin-1 and a Location must be a URL.
+_URL_CHARACTERS = "/?&=%#+:@!$'()*,;~"
 
 
 def session_value(admin_token: str) -> str:
@@ -39,6 +44,26 @@ def cookie_header(admin_token: str) -> str:
     return f"{COOKIE}={session_value(admin_token)}; Path=/ui; HttpOnly; SameSite=Strict"
 
 
+class FormTooLarge(Exception):
+    pass
+
+
+async def read_small_body(request: Request, limit: int = MAX_FORM_BYTES) -> bytes:
+    """The request's body if it is at most ``limit`` bytes, else :class:`FormTooLarge`
+    with no more read than that: an announced length over it is refused before a byte is
+    read, a chunked body once it passes it (the gateway's own limit is far larger, and a
+    login needs no authentication to send)."""
+    length = request.headers.get("content-length", "")
+    if length.isascii() and length.isdigit() and int(length) > limit:
+        raise FormTooLarge
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise FormTooLarge
+    return bytes(body)
+
+
 def read_form(body: bytes) -> dict[str, str]:
     """An ``application/x-www-form-urlencoded`` body: the first value of each field."""
     fields = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
@@ -46,10 +71,11 @@ def read_form(body: bytes) -> dict[str, str]:
 
 
 def safe_next(target: str | None) -> str:
-    """Where to go after the login: a viewer page, never another site (an open redirect
-    would let a link show a look-alike page after a real login)."""
+    """Where to go after the login, as a ``Location`` can carry it: a viewer page, never
+    another site (an open redirect would let a link show a look-alike page after a real
+    login), percent-encoded (a group id in CJK is a valid page)."""
     if not target or not target.startswith("/ui") or target.startswith("//"):
         return "/ui"
     if any(c in target for c in "\\\r\n"):
         return "/ui"
-    return target
+    return quote(target, safe=_URL_CHARACTERS)
