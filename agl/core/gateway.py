@@ -119,6 +119,9 @@ class GatewayConfig:
     ui_run: str = ""
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    # FastAPI's /docs and /redoc: off by default, because they load Swagger UI's and
+    # ReDoc's scripts from a CDN onto the gateway's origin. /openapi.json is always served.
+    api_docs: bool = False
 
     def __post_init__(self) -> None:
         check_port(self.port)
@@ -660,7 +663,13 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
             await upstream.close()
             await store.close()
 
-    app = FastAPI(title="agl gateway", lifespan=lifespan)
+    docs = config.api_docs
+    app = FastAPI(
+        title="agl gateway",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+    )
     definitions: dict[str, Any] = {}  # the request bodies' models, for components.schemas
 
     def body(adapter: TypeAdapter[Any]) -> dict[str, Any]:
