@@ -65,6 +65,7 @@ from agl.core.store import (
     open_store,
 )
 from agl.core.upstream import RetryPolicy, Upstream
+from agl.ui.session import Sessions
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class GatewayConfig:
     # The run folder the viewer (/ui) reads: config (merge, advantage, tokenizer) and
     # agent logs. Default: run_dir's parent when it holds a config.yaml.
     ui_run: str = ""
+    ui_session_hours: float = 12.0  # a viewer login lasts this long (then log in again)
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     # FastAPI's /docs and /redoc: off by default, because they load Swagger UI's and
@@ -125,7 +127,7 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         check_port(self.port)
-        for name in ("header_timeout_s", "body_timeout_s"):
+        for name in ("ui_session_hours", "header_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.max_body_mb <= 0:
@@ -896,9 +898,8 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
     async def post_events(request: Request, rollout_id: str, attempt: int) -> Response:
         return await gw().post_events(request, rollout_id, attempt)
 
-    app.include_router(
-        ui.router(gw, admin_token, ui.find_run_folder(config.run_dir, config.ui_run))
-    )
+    sessions = Sessions(admin_token, lifetime_s=config.ui_session_hours * 3600)
+    app.include_router(ui.router(gw, sessions, ui.find_run_folder(config.run_dir, config.ui_run)))
 
     fast_lane = FastLane(app, gateway=lambda: holder["gateway"])
     limited = BodyLimit(fast_lane, max_bytes=int(config.max_body_mb * 2**20))
