@@ -14,6 +14,7 @@ import uvicorn
 
 from agl.core.auth import load_admin_token
 from agl.core.cli import parse_or_exit
+from agl.core.connections import http_protocol
 from agl.core.gateway import GatewayConfig, bind_refusal, create_app
 
 log = logging.getLogger("agl.gateway")
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         log_level=config.log_level,
         access_log=config.access_log,
         loop="auto",
-        http="auto",
+        http=http_protocol(config.header_timeout_s),
         timeout_graceful_shutdown=5,
         proxy_headers=False,
         server_header=False,

@@ -18,9 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from starlette.testclient import TestClient
 
 from agl.core.client import GatewayClient, GatewayError, proxy_base_url
-from agl.core.gateway import AttemptRateLimit, is_loopback
+from agl.core.gateway import AttemptRateLimit, GatewayConfig, create_app, is_loopback
 from agl.core.records import EventIn, Rollout
 from agl.core.services import ChildGateway, free_port
 from agl.testing.fake_vllm import FakeVllm
@@ -625,3 +626,23 @@ def test_oversized_bodies_on_the_proxy_and_events_get_413(
         assert admin.get_events(r.rollout_id) == []
     small = raw(tight.url, "POST", events_path(r.rollout_id, 1), r.report_key, json=REWARD)
     assert small.status_code == 200, small.text
+
+
+# -- no third-party script on the gateway's origin -------------------------------------------
+
+
+def test_no_page_loads_a_third_party_script_unless_api_docs_is_asked_for(
+    gateway: GatewayProcess, tmp_path: Path
+) -> None:
+    """FastAPI's /docs and /redoc load Swagger UI and ReDoc from a CDN: off by default;
+    the schema they read stays."""
+    for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+        answer = raw(gateway.url, "GET", path)
+        assert answer.status_code == 404, (path, answer.text)
+        error_message(answer)
+    schema = raw(gateway.url, "GET", "/openapi.json")
+    assert schema.status_code == 200 and schema.json()["info"]["title"] == "agl gateway"
+
+    asked = TestClient(create_app(GatewayConfig(run_dir=str(tmp_path), api_docs=True), SECRET))
+    docs = asked.get("/docs")
+    assert docs.status_code == 200 and "cdn.jsdelivr.net" in docs.text

@@ -10,6 +10,7 @@ import html
 import os
 import re
 import sqlite3
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,7 +31,8 @@ from agl.core.records import EventIn, RolloutSpec, Status, StatusPatch
 from agl.core.sqlite_store import SqliteStore
 from agl.core.store import HISTORY_SINCE, EventQuery
 from agl.testing.processes import GatewayProcess, gateway_process
-from agl.ui.session import COOKIE, session_value
+from agl.ui.session import COOKIE, Sessions, session_value
+from agl.ui.throttle import LoginThrottle
 
 TOKEN = "test-admin-token"  # conftest's gateway fixture
 _ROLLOUT_LINK = re.compile(r'class="rollout" href="/ui/rollouts/([^"]+)"')
@@ -90,6 +92,7 @@ def test_pages_redirect_to_login_until_the_admin_token_is_given(gateway: Gateway
         assert good.status_code == 303 and good.headers["location"] == "/ui?sort=reward"
         cookie = good.headers["set-cookie"]
         assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/ui" in cookie
+        assert f"Max-Age={12 * 3600}" in cookie  # the default ui_session_hours
         assert TOKEN not in cookie  # derived from the token, not the token
         assert client.get("/ui").status_code == 200
 
@@ -98,7 +101,7 @@ def test_pages_redirect_to_login_until_the_admin_token_is_given(gateway: Gateway
     assert forged.status_code == 303
     bearer = httpx.get(f"{gateway.url}/ui", headers={"Authorization": f"Bearer {TOKEN}"})
     assert bearer.status_code == 200
-    real = httpx.get(f"{gateway.url}/ui", cookies={COOKIE: session_value(TOKEN)})
+    real = httpx.get(f"{gateway.url}/ui", cookies={COOKIE: session_value(TOKEN, int(time.time()))})
     assert real.status_code == 200
 
 
@@ -107,6 +110,141 @@ def test_login_goes_only_to_viewer_pages(gateway: GatewayProcess) -> None:
         for target in ("https://evil.example/", "//evil.example/ui", "/api/rollouts", ""):
             answer = client.post("/ui/login", data={"token": TOKEN, "next": target})
             assert answer.headers["location"] == "/ui"
+
+
+def test_login_percent_encodes_where_it_goes_next(gateway: GatewayProcess) -> None:
+    group = f"组一-{uuid.uuid4().hex[:6]}"  # a group id in CJK: not Latin-1, as a header is
+    with GatewayClient(gateway.url, gateway.token) as admin:
+        admin.create_rollouts([{"rollout_id": f"r-{uuid.uuid4().hex[:12]}", "group_id": group}])
+    page = "/ui/groups/" + quote(group, safe="")
+    with ui_client(gateway, login=False) as client:
+        to_login = client.get(page)
+        assert to_login.status_code == 303
+        form = client.get(to_login.headers["location"])
+        target = re.search(r'name="next" value="([^"]*)"', form.text)
+        assert target is not None, form.text
+        answer = client.post("/ui/login", data={"token": TOKEN, "next": html.unescape(target[1])})
+        assert answer.status_code == 303, answer.text
+        assert answer.headers["location"] == page
+        assert client.get(page).status_code == 200
+        # Logged in, the login page sends a CJK target on as well.
+        again = client.get("/ui/login", params={"next": f"/ui?group={group}&sort=reward"})
+        assert again.status_code == 303
+        assert again.headers["location"] == f"/ui?group={quote(group)}&sort=reward"
+        for target in ("//evil.example", "https://evil.example", "/\\evil.example", "组"):
+            answer = client.post("/ui/login", data={"token": TOKEN, "next": target})
+            assert answer.headers["location"] == "/ui", target
+
+
+def test_a_session_lasts_its_lifetime_and_its_issue_time_is_signed(
+    gateway: GatewayProcess,
+) -> None:
+    lifetime = 12 * 3600  # the default ui_session_hours
+    now = int(time.time())
+    fresh = session_value(TOKEN, now - lifetime + 600)
+    expired = session_value(TOKEN, now - lifetime - 1)
+    _, nonce, mac = expired.split(".")
+    moved = f"{now}.{nonce}.{mac}"  # an old cookie given a new issue time
+    for cookie, status in ((fresh, 200), (expired, 303), (moved, 303)):
+        answer = httpx.get(f"{gateway.url}/ui", cookies={COOKIE: cookie})
+        assert answer.status_code == status, cookie
+
+
+def cookie_of(set_cookie: str) -> str:
+    return set_cookie.split(";")[0].removeprefix(f"{COOKIE}=")
+
+
+def test_sessions_expire_by_their_clock_and_end_at_logout() -> None:
+    clock = [1_000_000.0]
+    sessions = Sessions(TOKEN, lifetime_s=100.0, clock=lambda: clock[0])
+    cookie = cookie_of(sessions.start())
+    assert "Max-Age=100;" in sessions.start()
+    assert sessions.valid(cookie)
+    clock[0] += 99
+    assert sessions.valid(cookie)
+    clock[0] += 1
+    assert not sessions.valid(cookie)
+    other = Sessions("another token", lifetime_s=100.0, clock=lambda: clock[0])
+    assert not sessions.valid(cookie_of(other.start()))
+
+    cookie = cookie_of(sessions.start())
+    assert "Max-Age=0;" in sessions.end(cookie)
+    assert not sessions.valid(cookie)  # a copy of a logged-out cookie is refused too
+    assert sessions.valid(cookie_of(sessions.start()))
+    for made_up in (None, "", ".", "1.2", "x.0123456789abcdef." + "0" * 64, "\uff11\uff12.ab"):
+        assert not sessions.valid(made_up)
+
+
+def test_logout_ends_the_session(gateway: GatewayProcess) -> None:
+    with ui_client(gateway) as client:
+        cookie = client.cookies[COOKIE]
+        page = client.get("/ui")
+        assert '<form class="logout" method="post" action="/ui/logout">' in page.text
+        out = client.post("/ui/logout")
+        assert out.status_code == 303 and out.headers["location"] == "/ui/login"
+        assert "Max-Age=0" in out.headers["set-cookie"]
+        assert COOKIE not in client.cookies
+        assert client.get("/ui").status_code == 303
+    # The cookie as it was (say, copied) no longer opens the viewer either.
+    copied = httpx.get(f"{gateway.url}/ui", cookies={COOKIE: cookie})
+    assert copied.status_code == 303
+    with ui_client(gateway) as client:  # a new login is a new session
+        assert client.get("/ui").status_code == 200
+
+
+def test_failed_logins_from_an_address_are_refused_for_a_backoff(tmp_path: Path) -> None:
+    free = LoginThrottle().free_failures
+    with gateway_process(tmp_path / "gateway", token=TOKEN) as gateway:
+        with ui_client(gateway, login=False) as client:
+            for _ in range(free):
+                wrong = client.post("/ui/login", data={"token": "guess", "next": "/ui"})
+                assert wrong.status_code == 401
+            for token in ("guess", TOKEN):  # now even the right token waits
+                refused = client.post("/ui/login", data={"token": token, "next": "/ui"})
+                assert refused.status_code == 429, refused.text
+                assert int(refused.headers["retry-after"]) >= 1
+                assert "set-cookie" not in refused.headers
+            bearer = client.get("/ui", headers={"Authorization": f"Bearer {TOKEN}"})
+            assert bearer.status_code == 200  # curl with the token is not throttled
+        # Another address is not held up by this one's failures.
+        elsewhere = httpx.HTTPTransport(local_address="127.0.0.2")
+        with httpx.Client(base_url=gateway.url, transport=elsewhere, timeout=30) as client:
+            login = client.post("/ui/login", data={"token": TOKEN, "next": "/ui"})
+            assert login.status_code == 303, login.text
+
+
+def test_the_login_throttle_backs_off_doubling_and_forgets_by_its_clock() -> None:
+    clock = [0.0]
+    throttle = LoginThrottle(
+        free_failures=3,
+        first_wait_s=1.0,
+        max_wait_s=8.0,
+        forget_after_s=100.0,
+        max_addresses=2,
+        clock=lambda: clock[0],
+    )
+    for _ in range(2):
+        throttle.failed("a")
+        assert throttle.wait("a") == 0.0
+    waits = []
+    for _ in range(6):
+        throttle.failed("a")
+        waits.append(throttle.wait("a"))
+        clock[0] += waits[-1]
+        assert throttle.wait("a") == 0.0  # the backoff passed
+    assert waits == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    throttle.failed("a")
+    throttle.succeeded("a")  # the right token clears the address
+    assert throttle.wait("a") == 0.0
+    for _ in range(3):
+        throttle.failed("b")
+    assert throttle.wait("b") == 1.0 and throttle.wait("c") == 0.0
+    clock[0] += 101  # quiet for forget_after_s: forgotten at the next failure
+    throttle.failed("c")
+    assert len(throttle) == 1
+    throttle.failed("d")
+    throttle.failed("e")  # past max_addresses the oldest goes
+    assert len(throttle) == 2 and throttle.wait("c") == 0.0
 
 
 def test_an_attempt_key_never_opens_the_viewer(gateway: GatewayProcess, running: Any) -> None:
@@ -669,6 +807,22 @@ def png_size(data: bytes) -> tuple[int, int]:
     return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
+def logged_in(
+    browser: Any, url: str, token: str, width: int = 1280, height: int = 720
+) -> tuple[Any, list[str]]:
+    """A new page sent from ``/ui`` to the login and logged in, and the list the console
+    errors it meets go to (a stylesheet or form the page's CSP refused, say)."""
+    page = browser.new_page(viewport={"width": width, "height": height})
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    page.goto(f"{url}/ui")
+    assert "/ui/login" in page.url
+    page.fill("#token", token)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{url}/ui")
+    return page, problems
+
+
 def test_a_browser_clicks_from_the_list_to_a_break_and_its_group(
     browser: Any, trained_run: Path, tmp_path: Path
 ) -> None:
@@ -682,14 +836,7 @@ def test_a_browser_clicks_from_the_list_to_a_break_and_its_group(
         rollout, detail = candidates[0]
         first = common_prefix_len(detail.before_ids, detail.after_ids)
 
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        problems: list[str] = []
-        page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
-        page.goto(f"{gw.url}/ui")
-        assert "/ui/login" in page.url
-        page.fill("#token", RUN_TOKEN)
-        page.click("button[type=submit]")
-        page.wait_for_url(f"{gw.url}/ui")
+        page, problems = logged_in(browser, gw.url, RUN_TOKEN, width=1400, height=1000)
         assert int(page.inner_text("#count").split()[0]) >= 64
 
         # the list, narrowed to the rollout's group and sorted by turns, then a click
@@ -729,6 +876,16 @@ def test_a_browser_clicks_from_the_list_to_a_break_and_its_group(
         assert png_size(group_shot.read_bytes())[0] >= 1000
         assert not problems, problems  # e.g. the stylesheet refused by the page's CSP
         page.close()
+
+
+def test_a_browser_logs_in_and_out(browser: Any, gateway: GatewayProcess) -> None:
+    page, problems = logged_in(browser, gateway.url, TOKEN)
+    page.click("form.logout button")
+    page.wait_for_url(f"{gateway.url}/ui/login")
+    page.goto(f"{gateway.url}/ui")
+    assert "/ui/login" in page.url  # the session is over
+    assert not problems, problems  # the form posts within the page's CSP
+    page.close()
 
 
 def test_under_stitch_the_rollout_page_shows_where_a_prompt_was_changed(

@@ -35,6 +35,7 @@ from agl import ui
 from agl.core.admission import AdmissionGate
 from agl.core.auth import Keyring, Principal, bearer
 from agl.core.cli import check_port
+from agl.core.connections import BodyTimeout
 from agl.core.dialects import ANTHROPIC, RESPONSES, Dialect
 from agl.core.errors import ApiError, error_response
 from agl.core.lifecycle import IllegalTransition
@@ -64,6 +65,7 @@ from agl.core.store import (
     open_store,
 )
 from agl.core.upstream import RetryPolicy, Upstream
+from agl.ui.session import Sessions
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,11 @@ class GatewayConfig:
     that key can call (proxy, events, reading its rollout, finishing its attempt); a call
     over it gets 429 with ``Retry-After``. ``attempt_rps=0`` turns the limit off. The
     admin token is never limited.
+
+    ``header_timeout_s`` / ``body_timeout_s``: a request whose headers are not all in
+    that long after its first byte (or the connection's opening), or whose body goes that
+    long without a byte while the gateway reads it, gets 408 and its connection closed
+    (:mod:`agl.core.connections`).
     """
 
     host: str = "127.0.0.1"
@@ -115,9 +122,18 @@ class GatewayConfig:
     # The run folder the viewer (/ui) reads: config (merge, advantage, tokenizer) and
     # agent logs. Default: run_dir's parent when it holds a config.yaml.
     ui_run: str = ""
+    ui_session_hours: float = 12.0  # a viewer login lasts this long (then log in again)
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # FastAPI's /docs and /redoc: off by default, because they load Swagger UI's and
+    # ReDoc's scripts from a CDN onto the gateway's origin. /openapi.json is always served.
+    api_docs: bool = False
 
     def __post_init__(self) -> None:
         check_port(self.port)
+        for name in ("ui_session_hours", "header_timeout_s", "body_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.max_body_mb <= 0:
             raise ValueError(f"max_body_mb={self.max_body_mb} must be positive")
         if self.attempt_rps < 0:
@@ -645,8 +661,9 @@ class Gateway:
 
 
 def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
-    """The gateway as an ASGI app: FastAPI for the API, with the body limit and the fast
-    lane in front of it (outside FastAPI's own middleware, which the hot routes skip)."""
+    """The gateway as an ASGI app: FastAPI for the API, with the body timeout, the body
+    limit and the fast lane in front of it (outside FastAPI's own middleware, which the
+    hot routes skip)."""
     holder: dict[str, Gateway] = {}
 
     @asynccontextmanager
@@ -681,7 +698,13 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
             await upstream.close()
             await store.close()
 
-    app = FastAPI(title="agl gateway", lifespan=lifespan)
+    docs = config.api_docs
+    app = FastAPI(
+        title="agl gateway",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+    )
     definitions: dict[str, Any] = {}  # the request bodies' models, for components.schemas
 
     def body(adapter: TypeAdapter[Any]) -> dict[str, Any]:
@@ -920,12 +943,12 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
     async def post_events(request: Request, rollout_id: str, attempt: int) -> Response:
         return await gw().post_events(request, rollout_id, attempt)
 
-    app.include_router(
-        ui.router(gw, admin_token, ui.find_run_folder(config.run_dir, config.ui_run))
-    )
+    sessions = Sessions(admin_token, lifetime_s=config.ui_session_hours * 3600)
+    app.include_router(ui.router(gw, sessions, ui.find_run_folder(config.run_dir, config.ui_run)))
 
     fast_lane = FastLane(app, gateway=lambda: holder["gateway"])
-    return BodyLimit(fast_lane, max_bytes=int(config.max_body_mb * 2**20))
+    limited = BodyLimit(fast_lane, max_bytes=int(config.max_body_mb * 2**20))
+    return BodyTimeout(limited, timeout_s=config.body_timeout_s)
 
 
 def _admission(gate: AdmissionGate, drained: bool) -> Admission:

@@ -1,4 +1,5 @@
-"""The viewer's routes, mounted by the gateway at ``/ui``: GET pages, plus the login POST.
+"""The viewer's routes, mounted by the gateway at ``/ui``: GET pages, plus the login and
+logout POSTs.
 
 Store reads run on the event loop's thread (the store's rule); building a page, which
 merges calls, decodes tokens and reads log files, runs in a worker thread, so a page
@@ -38,6 +39,7 @@ from agl.ui.group import LEVELS, cards
 from agl.ui.render import render
 from agl.ui.run import RunFolder
 from agl.ui.samples import Explained, explain_attempt
+from agl.ui.throttle import LoginThrottle
 
 if TYPE_CHECKING:
     from agl.core.gateway import Gateway
@@ -88,11 +90,15 @@ def _redirect(location: str, headers: Mapping[str, str] | None = None) -> Respon
     return Response(status_code=303, headers={**_HEADERS, "Location": location, **(headers or {})})
 
 
-def router(gateway: Callable[[], Gateway], admin_token: str, folder: Path | None) -> APIRouter:
-    """The ``/ui`` routes over ``gateway()``'s store; ``admin_token`` opens them;
-    ``folder`` is the run folder (None: samples, advantages and agent logs not shown)."""
+def router(
+    gateway: Callable[[], Gateway], sessions: session.Sessions, folder: Path | None
+) -> APIRouter:
+    """The ``/ui`` routes over ``gateway()``'s store; the admin token of ``sessions``
+    opens them; ``folder`` is the run folder (None: samples, advantages and agent logs not
+    shown)."""
     ui = APIRouter(prefix="/ui", include_in_schema=False)
     run = RunFolder(folder)
+    throttle = LoginThrottle()
 
     def store() -> Store:
         return gateway().store
@@ -100,7 +106,7 @@ def router(gateway: Callable[[], Gateway], admin_token: str, folder: Path | None
     def refusal(request: Request) -> Response | None:
         """None when the request may see the pages: the session cookie, or the admin
         token as a Bearer header (curl). An attempt key never may."""
-        if session.valid_session(request.cookies.get(session.COOKIE), admin_token):
+        if sessions.valid(request.cookies.get(session.COOKIE)):
             return None
         header = request.headers.get("authorization")
         if header is not None:
@@ -136,26 +142,42 @@ def router(gateway: Callable[[], Gateway], admin_token: str, folder: Path | None
     @ui.get("/login")
     async def login_form(request: Request) -> Response:
         target = session.safe_next(request.query_params.get("next"))
-        if session.valid_session(request.cookies.get(session.COOKIE), admin_token):
+        if sessions.valid(request.cookies.get(session.COOKIE)):
             return _redirect(target)
         return _html(render("login.html", message="", next=target))
 
     @ui.post("/login")
     async def login(request: Request) -> Response:
-        body = await request.body()
-        if len(body) > session.MAX_FORM_BYTES:
-            return _html(render("login.html", message="form too large", next="/ui"), 413)
-        form = session.read_form(body)
+        address = request.client.host if request.client else "unknown"
+        wait = throttle.wait(address)
+        if wait:
+            retry = math.ceil(wait)
+            message = f"Too many failed logins from {address}: try again in {retry} s."
+            return _html(
+                render("login.html", message=message, next="/ui"), 429, {"Retry-After": str(retry)}
+            )
+        try:
+            form = session.read_form(await session.read_small_body(request))
+        except session.FormTooLarge:
+            message = f"The form is larger than {session.MAX_FORM_BYTES} bytes."
+            return _html(render("login.html", message=message, next="/ui"), 413)
         target = session.safe_next(form.get("next"))
         typed = form.get("token", "")
-        if session.valid_token(typed, admin_token):
-            return _redirect(target, {"Set-Cookie": session.cookie_header(admin_token)})
+        if sessions.is_admin_token(typed):
+            throttle.succeeded(address)
+            return _redirect(target, {"Set-Cookie": sessions.start()})
+        throttle.failed(address)
         principal = gateway().keyring.identify(typed.strip()) if typed.strip() else None
         if principal is not None and not principal.admin:
             message, status = "An attempt key does not open the viewer: use the admin token.", 403
         else:
             message, status = "That is not the gateway's admin token.", 401
         return _html(render("login.html", message=message, next=target), status)
+
+    @ui.post("/logout")
+    async def logout(request: Request) -> Response:
+        cleared = sessions.end(request.cookies.get(session.COOKIE))
+        return _redirect(session.LOGIN, {"Set-Cookie": cleared})
 
     @ui.get("")
     @page
