@@ -114,8 +114,8 @@ def finished_call(s: Setup, tail: str = "openai/v1/chat/completions") -> httpx.R
 def rate_limited(s: Setup) -> httpx.Response:
     r = s.running()
     for _ in range(BURST):
-        assert s.send("GET", f"/api/rollouts/{r.rollout_id}", r.attempt_key).is_success
-    return s.send("GET", f"/api/rollouts/{r.rollout_id}", r.attempt_key)
+        assert s.send("GET", f"/api/rollouts/{r.rollout_id}", r.report_key).is_success
+    return s.send("GET", f"/api/rollouts/{r.rollout_id}", r.report_key)
 
 
 def streamed_body(s: Setup) -> httpx.Response:

@@ -205,7 +205,7 @@ def test_the_key_of_an_earlier_attempt_reaches_nothing(
     assert fake.requests == []
 
 
-def test_an_attempt_key_reads_only_its_own_attempts_events(
+def test_a_report_key_reads_only_its_own_attempts_events(
     gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout]
 ) -> None:
     r = running(max_attempts=2)
@@ -215,10 +215,10 @@ def test_an_attempt_key_reads_only_its_own_attempts_events(
     now = admin.patch_rollout(r.rollout_id, "running")
     admin.post_events(r.rollout_id, 2, [EventIn(type="note", data="second try")])
     events = f"/api/rollouts/{r.rollout_id}/events"
-    earlier = raw(gateway.url, "GET", events + "?attempt=1", now.attempt_key)
+    earlier = raw(gateway.url, "GET", events + "?attempt=1", now.report_key)
     assert earlier.status_code == 403 and "own attempt (2)" in error_message(earlier)
     for query in ("", "?attempt=2", "?type=note"):
-        own = raw(gateway.url, "GET", events + query, now.attempt_key)
+        own = raw(gateway.url, "GET", events + query, now.report_key)
         assert own.status_code == 200, (query, own.text)
         assert [e["data"] for e in own.json()["items"]] == ["second try"], query
     # The admin reads every attempt.
