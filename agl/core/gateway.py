@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic_core import from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -90,7 +91,9 @@ class GatewayConfig:
     ``attempt_rps`` / ``attempt_burst``: a token bucket per attempt key over everything
     that key can call (proxy, events, reading its rollout, finishing its attempt); a call
     over it gets 429 with ``Retry-After``. ``attempt_rps=0`` turns the limit off. The
-    admin token is never limited.
+    admin token is never limited. An event batch counts as its number of events, and
+    one POST holds at most ``max_events_per_post`` of them (413 past it, nothing stored),
+    so no request holds the event loop for long.
     """
 
     host: str = "127.0.0.1"
@@ -108,6 +111,7 @@ class GatewayConfig:
     admin_token_file: str = ""  # read the admin token from this file instead
     attempt_rps: float = 50.0  # calls per second per attempt key, sustained (0: no limit)
     attempt_burst: int = 100  # calls per attempt key above the rate before 429s start
+    max_events_per_post: int = 1000
     # The run folder the viewer (/ui) reads: config (merge, advantage, tokenizer) and
     # agent logs. Default: run_dir's parent when it holds a config.yaml.
     ui_run: str = ""
@@ -120,6 +124,8 @@ class GatewayConfig:
             raise ValueError(f"attempt_rps={self.attempt_rps} must be 0 (no limit) or positive")
         if self.attempt_burst < 1:
             raise ValueError(f"attempt_burst={self.attempt_burst} must be at least 1")
+        if self.max_events_per_post < 1:
+            raise ValueError(f"max_events_per_post={self.max_events_per_post} must be at least 1")
 
     @property
     def store_url(self) -> str:
@@ -157,13 +163,18 @@ def bind_refusal(config: GatewayConfig, token_source: str, token: str) -> str | 
 
 
 class AttemptRateLimit:
-    """A token bucket per attempt: ``burst`` calls at once, then ``rate`` a second.
+    """A token bucket per attempt: ``burst`` tokens at once, then ``rate`` a second.
+
+    A call is admitted while its bucket holds a token and spends one; an event batch then
+    spends one more per further event (``charge``), which may leave the bucket in debt:
+    a batch at the events cap still passes, and the attempt's next calls wait until the
+    debt is paid back, so events, not requests, are what the rate bounds.
 
     Buckets live in least-recently-used order; one idle long enough to have refilled
-    (``burst / rate`` seconds: 2 s by default) is the same as no bucket and is dropped on
-    the next call, so memory follows the attempts active in the last few seconds, with
-    ``max_buckets`` as a hard cap under a flood of distinct attempts. A finished
-    attempt's bucket simply expires that way."""
+    (``burst / rate`` seconds, 2 s by default, longer for one in debt) is the same as no
+    bucket and is dropped on the next call, so memory follows the attempts active in the
+    last few seconds, with ``max_buckets`` as a hard cap under a flood of distinct
+    attempts. A finished attempt's bucket simply expires that way."""
 
     def __init__(
         self,
@@ -176,25 +187,18 @@ class AttemptRateLimit:
         self.burst = float(burst)
         self.max_buckets = max_buckets
         self.clock = clock
-        self._refill_s = burst / rate if rate > 0 else 0.0
         self._buckets: OrderedDict[tuple[str, int], tuple[float, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._buckets)
 
     def take(self, key: tuple[str, int]) -> float:
-        """Spend one call of ``key``'s bucket: 0.0 if allowed, else the seconds until the
-        next call would be."""
+        """Spend one token of ``key``'s bucket: 0.0 if the call is admitted, else the
+        seconds until it would be."""
         if self.rate <= 0:
             return 0.0
         now = self.clock()
-        bucket = self._buckets.pop(key, None)
-        self._expire(now)
-        tokens = (
-            self.burst
-            if bucket is None
-            else min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
-        )
+        tokens = self._tokens(key, now)
         wait = 0.0
         if tokens >= 1.0:
             tokens -= 1.0
@@ -203,12 +207,28 @@ class AttemptRateLimit:
         self._buckets[key] = (tokens, now)
         return wait
 
+    def charge(self, key: tuple[str, int], cost: float) -> None:
+        """Spend ``cost`` more tokens of an admitted call, into debt if need be."""
+        if self.rate <= 0 or cost <= 0:
+            return
+        now = self.clock()
+        self._buckets[key] = (self._tokens(key, now) - cost, now)
+
+    def _tokens(self, key: tuple[str, int], now: float) -> float:
+        """What ``key``'s bucket holds now, taken out of the LRU order to be put back."""
+        bucket = self._buckets.pop(key, None)
+        self._expire(now)
+        if bucket is None:
+            return self.burst
+        return min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+
     def _expire(self, now: float) -> None:
         """Drop the buckets that have refilled, oldest first, and make room for one."""
         buckets = self._buckets
         while buckets:
-            key, (_, last) = next(iter(buckets.items()))
-            if now - last < self._refill_s and len(buckets) < self.max_buckets:
+            key, (tokens, last) = next(iter(buckets.items()))
+            refilled = now - last >= (self.burst - min(tokens, 0.0)) / self.rate
+            if not refilled and len(buckets) < self.max_buckets:
                 return
             del buckets[key]
 
@@ -293,6 +313,25 @@ def _parse(adapter: TypeAdapter[T], body: bytes) -> T:
         raise ApiError(400, "request body is empty; it must be JSON")
     try:
         return adapter.validate_json(body)
+    except ValidationError as error:
+        raise ApiError(422, _describe(error.errors())) from None
+
+
+def _parse_events(body: bytes, cap: int) -> EventIn | list[EventIn]:
+    """An events body, counted before it is validated: validating and storing 100,000
+    events held the event loop, and so every other call, for seconds."""
+    try:
+        parsed = from_json(body, allow_inf_nan=False)
+    except ValueError:
+        return _parse(_EVENTS, body)  # which says what is wrong with it, as for any body
+    if isinstance(parsed, list) and len(parsed) > cap:
+        raise ApiError(
+            413,
+            f"{len(parsed)} events in one POST, over the limit of {cap} "
+            "(max_events_per_post): send them in smaller batches",
+        )
+    try:
+        return _EVENTS.validate_python(parsed)
     except ValidationError as error:
         raise ApiError(422, _describe(error.errors())) from None
 
@@ -439,12 +478,14 @@ class Gateway:
         keyring: Keyring,
         proxy: RecordingProxy,
         limit: AttemptRateLimit | None = None,
+        max_events: int = GatewayConfig.max_events_per_post,
     ) -> None:
         self.store = store
         self.keyring = keyring
         self.proxy = proxy
         self.gate = proxy.gate
         self.limit = AttemptRateLimit(0.0, 1) if limit is None else limit  # it has a len()
+        self.max_events = max_events
 
     # -- auth ----------------------------------------------------------------------
 
@@ -586,9 +627,11 @@ class Gateway:
 
     async def post_events(self, request: Request, rollout_id: str, attempt: int) -> Response:
         principal = self.for_attempt(request, rollout_id, attempt)
-        body = _parse(_EVENTS, await request.body())
-        await self.live_attempt(rollout_id, attempt, principal)
+        body = _parse_events(await request.body(), self.max_events)
         batch = body if isinstance(body, list) else [body]
+        if not principal.admin:
+            self.limit.charge((rollout_id, attempt), len(batch) - 1)  # the call took one
+        await self.live_attempt(rollout_id, attempt, principal)
         if not principal.admin and (forged := {e.type for e in batch} & PROXY_EVENT_TYPES):
             # The trainer trains on these: only the proxy, which saw the model answer,
             # writes them. An agent posting one would be forging tokens and logprobs.
@@ -636,6 +679,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
             Keyring(admin_token, bytes.fromhex(secret)),
             proxy,
             AttemptRateLimit(config.attempt_rps, config.attempt_burst),
+            config.max_events_per_post,
         )
         holder["gateway"] = gateway
         sweeper = asyncio.create_task(gateway.sweep_timeouts(config.sweep_interval_s))
