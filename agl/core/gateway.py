@@ -40,6 +40,7 @@ from agl.core.dialects import ANTHROPIC, RESPONSES, Dialect
 from agl.core.errors import ApiError, error_response
 from agl.core.lifecycle import IllegalTransition
 from agl.core.proxy import PROXY_EVENT_TYPES, RecordingProxy, dialect_error
+from agl.core.query import query_int, whole_number
 from agl.core.records import (
     TERMINAL,
     Admission,
@@ -263,7 +264,11 @@ _EVENTS = TypeAdapter(EventIn | list[EventIn])
 _MODELS = TypeAdapter(list[ModelEndpoint])
 _ADMISSION = TypeAdapter(AdmissionIn)
 
-_INT64 = 2**63  # what SQLite binds: a larger step or offset would be a 500, not a 400
+# Integer query parameters, as SQLite binds them (a larger one was a 500, not a 4xx).
+_Int64 = query_int()
+_Attempt = query_int(ge=1)
+_Offset = query_int(ge=0)
+_SummaryLimit = query_int(ge=0, le=MAX_PAGE)
 
 
 class _SummaryParams(BaseModel):
@@ -275,18 +280,16 @@ class _SummaryParams(BaseModel):
     status: str | None = Field(default=None, description="comma list; may also repeat")
     mode: Mode | None = None
     group_id: str | None = None
-    step: int | None = Field(
+    step: _Int64 | None = Field(
         default=None,
-        ge=-_INT64,
-        lt=_INT64,
         description="metadata.step (validation), else metadata.batch + 1 (training)",
     )
     min_reward: float | None = Field(default=None, allow_inf_nan=False)
     max_reward: float | None = Field(default=None, allow_inf_nan=False)
     sort: SortKey = SortKey.CREATED
     desc: bool = False
-    offset: int = Field(default=0, ge=0, lt=_INT64)
-    limit: int = Field(default=100, ge=0, le=MAX_PAGE, description="0: the total alone")
+    offset: _Offset = 0
+    limit: _SummaryLimit = Field(default=100, description="0: the total alone")
 
 
 class _SummaryPage(BaseModel):
@@ -749,7 +752,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         mode: str | None = None,
         group_id: str | None = None,
         cursor: str | None = None,
-        limit: int = 100,
+        limit: _Int64 = 100,
     ) -> Response:
         g = gw()
         g.admin(request)
@@ -798,10 +801,10 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
     async def get_events(
         request: Request,
         rollout_id: str,
-        attempt: int | None = None,
+        attempt: _Attempt | None = None,
         type: str | None = None,
         cursor: str | None = None,
-        limit: int = 1000,
+        limit: _Int64 = 1000,
     ) -> Response:
         g = gw()
         principal = g.principal(request)
@@ -958,9 +961,10 @@ def _statuses(values: list[str]) -> frozenset[Status]:
 def _cursor(cursor: str | None) -> int:
     if cursor is None or cursor == "":
         return 0
-    if not cursor.isdigit():
-        raise ApiError(422, f"cursor {cursor!r} is not one this gateway handed out")
-    return int(cursor)
+    try:
+        return whole_number(cursor)
+    except ValueError:
+        raise ApiError(422, f"cursor {cursor[:40]!r} is not one this gateway handed out") from None
 
 
 def _summary_query(request: Request) -> SummaryQuery:
