@@ -20,7 +20,7 @@ from agl.strategies.advantage.rollout import rollout_advantage
 from agl.strategies.merge.prefix import prefix as merge_prefix
 from agl.testing.fake_vllm import BYTE_OFFSET, FakeVllm, encode
 from agl.testing.processes import GatewayProcess
-from tests.conftest import base_url
+from tests.conftest import agent, base_url
 
 TEXT = "four"
 GOOD: dict[str, Any] = {
@@ -125,7 +125,7 @@ def test_an_answer_the_store_cannot_keep_fails_the_call_and_the_rollout_still_re
     the call answered 500 and nothing was recorded)."""
     r = running()
     fake.raw_next = [BREAKS_THE_STORE[case], answer()]
-    client = openai.OpenAI(base_url=base_url(gateway, r), api_key=r.attempt_key, max_retries=0)
+    client = agent(gateway, r)
     with pytest.raises(openai.APIStatusError) as raised:
         client.chat.completions.create(model="policy", messages=[{"role": "user"}])
     assert raised.value.status_code == 502
@@ -170,7 +170,7 @@ def test_a_malformed_stream_ends_in_an_error_and_is_recorded_as_failed(
     the relay, with a traceback and no record at all."""
     r = running()
     fake.raw_next = [MALFORMED_STREAMS[case]]
-    client = openai.OpenAI(base_url=base_url(gateway, r), api_key=r.attempt_key, max_retries=0)
+    client = agent(gateway, r)
     with pytest.raises(openai.APIError):
         list(
             client.chat.completions.create(model="policy", messages=[{"role": "user"}], stream=True)
