@@ -443,6 +443,75 @@ def test_events_survive_odd_bodies(target: Target, body: Any, ascii_only: bool) 
     assert [(e.type, e.data) for e in stored] == [(e["type"], e.get("data")) for e in sent]
 
 
+# -- 3. numeric query values ----------------------------------------------------------------
+
+# Each route's integer query parameters, and whether a negative value means anything there.
+NUMERIC_QUERIES = [
+    ("events", "cursor", False),
+    ("events", "attempt", False),
+    ("events", "limit", False),
+    ("rollouts", "cursor", False),
+    ("rollouts", "limit", False),
+    ("summaries", "step", True),
+    ("summaries", "offset", False),
+    ("summaries", "limit", False),
+    ("ui", "step", True),
+    ("ui", "page", False),
+]
+# What used to answer a plain-text 500: past 64 bits, or digits str.isdigit() passes.
+BAD_NUMBERS = ["9223372036854775808", "18446744073709551616", "²", "①", "١٢", "1_0"]
+
+
+def get_numeric(target: Target, route: str, name: str, value: str) -> httpx.Response:
+    path = {
+        "events": f"/api/rollouts/{target.live.rollout_id}/events",
+        "rollouts": "/api/rollouts",
+        "summaries": "/api/summaries",
+        "ui": "/ui",
+    }[route]
+    return httpx.get(
+        target.gateway.url + path,
+        params={name: value},
+        headers={"Authorization": f"Bearer {target.gateway.token}"},
+        timeout=TIMEOUT_S,
+    )
+
+
+def assert_refused(response: httpx.Response, route: str) -> None:
+    assert response.status_code in (400, 422), (response.status_code, response.text[:300])
+    if route != "ui":  # the viewer answers an HTML page that says what was wrong
+        assert_error_shape(response)
+
+
+@pytest.mark.parametrize(("route", "name", "signed"), NUMERIC_QUERIES)
+def test_numbers_past_64_bits_or_not_in_ascii_digits_are_refused(
+    target: Target, route: str, name: str, signed: bool
+) -> None:
+    for value in [*BAD_NUMBERS, *([] if signed else ["-1"])]:
+        assert_refused(get_numeric(target, route, name, value), route)
+
+
+NUMBERS = st.one_of(
+    st.integers().map(str),
+    st.integers(min_value=2**63 - 2, max_value=2**64 + 1).map(str),
+    st.integers(min_value=-(2**64), max_value=-(2**63) + 1).map(str),
+    st.sampled_from([*BAD_NUMBERS, "", "-", "-0", "+1", " 1", "1 ", "0x10", "1e3", "1.0"]),
+    st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=24),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(where=st.sampled_from(NUMERIC_QUERIES), value=NUMBERS)
+def test_no_numeric_query_value_is_a_server_error(
+    target: Target, where: tuple[str, str, bool], value: str
+) -> None:
+    route, name, _ = where
+    response = get_numeric(target, route, name, value)
+    assert response.status_code < 500, (route, name, value, response.text[:300])
+    if response.status_code >= 400:
+        assert_refused(response, route)
+
+
 # -- known bugs: deterministic reproducers -------------------------------------------------
 
 

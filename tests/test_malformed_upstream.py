@@ -20,7 +20,7 @@ from agl.strategies.advantage.rollout import rollout_advantage
 from agl.strategies.merge.prefix import prefix as merge_prefix
 from agl.testing.fake_vllm import BYTE_OFFSET, FakeVllm, encode
 from agl.testing.processes import GatewayProcess
-from tests.conftest import base_url
+from tests.conftest import agent, base_url
 
 TEXT = "four"
 GOOD: dict[str, Any] = {
@@ -98,6 +98,87 @@ def test_nan_is_not_json_so_the_call_fails_and_is_not_trained_on(
     assert admin.get_events(r.rollout_id, type="model_request") == []
     (failed,) = admin.get_events(r.rollout_id, type="model_request_failed")
     assert "malformed completion" in failed.data["error"]
+
+
+def nested(depth: int) -> bytes:
+    """A list ``depth`` levels deep (orjson will not write one past 254)."""
+    return b"[" * depth + b"]" * depth
+
+
+BREAKS_THE_STORE = {
+    "nested_251": answer(token_ids="X").replace(b'"X"', nested(251)),
+    "nested_300": answer(token_ids="X").replace(b'"X"', nested(300)),
+    "integer_past_64_bits": answer(token_ids="X").replace(b'"X"', b"[18446744073709551616]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BREAKS_THE_STORE))
+def test_an_answer_the_store_cannot_keep_fails_the_call_and_the_rollout_still_reads(
+    gateway: GatewayProcess,
+    admin: GatewayClient,
+    running: Callable[..., Rollout],
+    fake: FakeVllm,
+    case: str,
+) -> None:
+    """The storable-JSON rules of a request hold for the upstream's answer too: it used
+    to be stored, and from then on the rollout's events answered 500 (or, at 300 levels,
+    the call answered 500 and nothing was recorded)."""
+    r = running()
+    fake.raw_next = [BREAKS_THE_STORE[case], answer()]
+    client = agent(gateway, r)
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.chat.completions.create(model="policy", messages=[{"role": "user"}])
+    assert raised.value.status_code == 502
+    assert "malformed completion" in raised.value.message
+    reply = client.chat.completions.create(model="policy", messages=[{"role": "user"}])
+    assert reply.choices[0].message.content == TEXT
+    (failed,) = admin.get_events(r.rollout_id, type="model_request_failed")
+    assert "malformed completion" in failed.data["error"]
+    assert ("64 bits" if case.startswith("integer") else "deeper") in failed.data["error"]
+    (recorded,) = admin.get_events(r.rollout_id, type="model_request")  # still reads: 200
+    assert recorded.data["response_ids"] == GOOD["token_ids"]
+
+
+def sse(*chunks: dict[str, Any]) -> bytes:
+    events = [b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks]
+    return b"".join([*events, b"data: [DONE]\n\n"])
+
+
+def chunk(index: Any = 0, **delta: Any) -> dict[str, Any]:
+    choice = {"index": index, "delta": delta, "token_ids": [20], "finish_reason": None}
+    return {"id": "c", "object": "chat.completion.chunk", "choices": [choice]}
+
+
+FIRST = {**chunk(role="assistant", content=""), "prompt_token_ids": GOOD["prompt_token_ids"]}
+MALFORMED_STREAMS = {
+    "content_is_a_number": sse(FIRST, chunk(content=4)),
+    "content_is_an_object": sse(FIRST, chunk(content={"text": "four"})),
+    "indexes_mix_types": sse(FIRST, chunk(index="1", content="four")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_STREAMS))
+def test_a_malformed_stream_ends_in_an_error_and_is_recorded_as_failed(
+    gateway: GatewayProcess,
+    admin: GatewayClient,
+    running: Callable[..., Rollout],
+    fake: FakeVllm,
+    case: str,
+) -> None:
+    """As a stream that breaks off: a chat stream is cut short (it has no error event),
+    so the client raises rather than take a truncated answer; it used to crash after
+    the relay, with a traceback and no record at all."""
+    r = running()
+    fake.raw_next = [MALFORMED_STREAMS[case]]
+    client = agent(gateway, r)
+    with pytest.raises(openai.APIError):
+        list(
+            client.chat.completions.create(model="policy", messages=[{"role": "user"}], stream=True)
+        )
+    assert admin.get_events(r.rollout_id, type="model_request") == []
+    (failed,) = admin.get_events(r.rollout_id, type="model_request_failed")
+    assert failed.data["status"] == 502
+    assert "stream broke" in failed.data["error"] and "not a" in failed.data["error"]
 
 
 def test_ids_that_do_not_decode_to_the_text_are_left_out(

@@ -263,6 +263,38 @@ def test_proxy_refuses_what_is_not_running_or_not_its_own(
     assert response.status_code == 409
 
 
+BIG_INTEGERS = {  # the field's path: a chat body with an integer past 64 bits there
+    "max_tokens": b'{"model": "policy", "messages": [{"role": "user", "content": "hi"}], '
+    b'"max_tokens": 18446744073709551616}',
+    "messages.0.x.1": b'{"model": "policy", "messages": [{"role": "user", "content": "hi", '
+    b'"x": [1, -9223372036854775809]}]}',
+}
+
+
+@pytest.mark.parametrize("path", sorted(BIG_INTEGERS))
+def test_an_integer_past_64_bits_in_a_chat_body_is_refused_naming_its_field(
+    gateway: GatewayProcess,
+    admin: GatewayClient,
+    running: Callable[..., Rollout],
+    fake: FakeVllm,
+    path: str,
+) -> None:
+    """orjson reads such an integer as a float: it used to be forwarded and recorded as a
+    number the harness never sent."""
+    r = running()
+    response = httpx.post(
+        base_url(gateway, r) + "/chat/completions",
+        content=BIG_INTEGERS[path],
+        headers={"Authorization": f"Bearer {r.attempt_key}"},
+        timeout=10,
+    )
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "64 bits" in message and path in message, message
+    assert fake.requests == []
+    assert admin.get_events(r.rollout_id) == []
+
+
 def test_a_rollout_sticks_to_one_endpoint(
     gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout], upstream
 ) -> None:

@@ -594,6 +594,55 @@ def test_buckets_are_bounded_and_expire() -> None:
     assert AttemptRateLimit(rate=0, burst=1).take(("any", 1)) == 0.0  # attempt_rps=0: off
 
 
+def test_the_limiter_charges_an_event_batch_by_its_events() -> None:
+    now = [0.0]
+    limit = AttemptRateLimit(rate=10, burst=20, clock=lambda: now[0])
+    key = ("r", 1)
+    for _ in range(4):  # four calls, as a call each: 4 of 20 tokens; as 5 events: all 20
+        assert limit.take(key) == 0.0
+        limit.charge(key, 5 - 1)
+    assert limit.take(key) == pytest.approx(1 / 10)
+    # A batch bigger than the burst still passes from a full bucket, into debt that the
+    # next calls wait out, and that the bucket keeps past the usual refill time (2 s).
+    now[0] = 100.0
+    assert limit.take(key) == 0.0
+    limit.charge(key, 1000 - 1)
+    now[0] = 103.0
+    assert limit.take(("another", 1)) == 0.0  # a call that drops refilled buckets
+    assert limit.take(key) == pytest.approx((1 + 980 - 30) / 10)
+
+
+def test_a_batch_over_the_events_cap_is_refused_whole_and_one_at_the_cap_is_stored(
+    gateway: GatewayProcess, admin: GatewayClient, running: Callable[..., Rollout]
+) -> None:
+    """100,000 events in one POST held the event loop (and every other agent) for 5 s."""
+    r = running()
+    over = [{"type": "log", "event_id": f"e{i}", "data": i} for i in range(1001)]
+    refused = raw(gateway.url, "POST", events_path(r.rollout_id, 1), r.attempt_key, json=over)
+    assert refused.status_code == 413, refused.text[:300]
+    message = error_message(refused)
+    assert "1001 events" in message and "1000" in message and "max_events_per_post" in message
+    assert admin.get_events(r.rollout_id) == []  # all or nothing
+    stored = raw(gateway.url, "POST", events_path(r.rollout_id, 1), r.attempt_key, json=over[:1000])
+    assert stored.status_code == 200, stored.text[:300]
+    assert [e.data for e in admin.get_events(r.rollout_id)] == list(range(1000))
+
+
+def test_an_event_batch_spends_the_rate_limit_as_its_events(tight: GatewayProcess) -> None:
+    """A burst of 10 calls: one batch of 60 events spends it and six times more, so the
+    attempt's next call waits for the debt (at 5/s, ~10 s), where as one call it would
+    have passed at once."""
+    r = start(tight)
+    batch = [{"type": "log", "event_id": f"e{i}"} for i in range(60)]
+    posted = raw(tight.url, "POST", events_path(r.rollout_id, 1), r.attempt_key, json=batch)
+    assert posted.status_code == 200, posted.text
+    limited = raw(tight.url, "POST", events_path(r.rollout_id, 1), r.attempt_key, json=REWARD)
+    assert limited.status_code == 429, limited.text
+    assert int(limited.headers["Retry-After"]) >= 2, limited.headers
+    with GatewayClient(tight.url, tight.token) as admin:
+        assert len(admin.get_events(r.rollout_id)) == 60
+
+
 # -- body limit on the agents' routes -------------------------------------------------
 
 

@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic_core import from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -40,6 +41,7 @@ from agl.core.dialects import ANTHROPIC, RESPONSES, Dialect
 from agl.core.errors import ApiError, error_response
 from agl.core.lifecycle import IllegalTransition
 from agl.core.proxy import PROXY_EVENT_TYPES, RecordingProxy, dialect_error
+from agl.core.query import query_int, whole_number
 from agl.core.records import (
     TERMINAL,
     Admission,
@@ -96,7 +98,9 @@ class GatewayConfig:
     ``attempt_rps`` / ``attempt_burst``: a token bucket per attempt key over everything
     that key can call (proxy, events, reading its rollout, finishing its attempt); a call
     over it gets 429 with ``Retry-After``. ``attempt_rps=0`` turns the limit off. The
-    admin token is never limited.
+    admin token is never limited. An event batch counts as its number of events, and
+    one POST holds at most ``max_events_per_post`` of them (413 past it, nothing stored),
+    so no request holds the event loop for long.
 
     ``header_timeout_s`` / ``body_timeout_s``: a request whose headers are not all in
     that long after its first byte (or the connection's opening), or whose body goes that
@@ -119,6 +123,7 @@ class GatewayConfig:
     admin_token_file: str = ""  # read the admin token from this file instead
     attempt_rps: float = 50.0  # calls per second per attempt key, sustained (0: no limit)
     attempt_burst: int = 100  # calls per attempt key above the rate before 429s start
+    max_events_per_post: int = 1000
     # The run folder the viewer (/ui) reads: config (merge, advantage, tokenizer) and
     # agent logs. Default: run_dir's parent when it holds a config.yaml.
     ui_run: str = ""
@@ -140,6 +145,8 @@ class GatewayConfig:
             raise ValueError(f"attempt_rps={self.attempt_rps} must be 0 (no limit) or positive")
         if self.attempt_burst < 1:
             raise ValueError(f"attempt_burst={self.attempt_burst} must be at least 1")
+        if self.max_events_per_post < 1:
+            raise ValueError(f"max_events_per_post={self.max_events_per_post} must be at least 1")
 
     @property
     def store_url(self) -> str:
@@ -177,13 +184,18 @@ def bind_refusal(config: GatewayConfig, token_source: str, token: str) -> str | 
 
 
 class AttemptRateLimit:
-    """A token bucket per attempt: ``burst`` calls at once, then ``rate`` a second.
+    """A token bucket per attempt: ``burst`` tokens at once, then ``rate`` a second.
+
+    A call is admitted while its bucket holds a token and spends one; an event batch then
+    spends one more per further event (``charge``), which may leave the bucket in debt:
+    a batch at the events cap still passes, and the attempt's next calls wait until the
+    debt is paid back, so events, not requests, are what the rate bounds.
 
     Buckets live in least-recently-used order; one idle long enough to have refilled
-    (``burst / rate`` seconds: 2 s by default) is the same as no bucket and is dropped on
-    the next call, so memory follows the attempts active in the last few seconds, with
-    ``max_buckets`` as a hard cap under a flood of distinct attempts. A finished
-    attempt's bucket simply expires that way."""
+    (``burst / rate`` seconds, 2 s by default, longer for one in debt) is the same as no
+    bucket and is dropped on the next call, so memory follows the attempts active in the
+    last few seconds, with ``max_buckets`` as a hard cap under a flood of distinct
+    attempts. A finished attempt's bucket simply expires that way."""
 
     def __init__(
         self,
@@ -196,25 +208,18 @@ class AttemptRateLimit:
         self.burst = float(burst)
         self.max_buckets = max_buckets
         self.clock = clock
-        self._refill_s = burst / rate if rate > 0 else 0.0
         self._buckets: OrderedDict[tuple[str, int], tuple[float, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._buckets)
 
     def take(self, key: tuple[str, int]) -> float:
-        """Spend one call of ``key``'s bucket: 0.0 if allowed, else the seconds until the
-        next call would be."""
+        """Spend one token of ``key``'s bucket: 0.0 if the call is admitted, else the
+        seconds until it would be."""
         if self.rate <= 0:
             return 0.0
         now = self.clock()
-        bucket = self._buckets.pop(key, None)
-        self._expire(now)
-        tokens = (
-            self.burst
-            if bucket is None
-            else min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
-        )
+        tokens = self._tokens(key, now)
         wait = 0.0
         if tokens >= 1.0:
             tokens -= 1.0
@@ -223,12 +228,28 @@ class AttemptRateLimit:
         self._buckets[key] = (tokens, now)
         return wait
 
+    def charge(self, key: tuple[str, int], cost: float) -> None:
+        """Spend ``cost`` more tokens of an admitted call, into debt if need be."""
+        if self.rate <= 0 or cost <= 0:
+            return
+        now = self.clock()
+        self._buckets[key] = (self._tokens(key, now) - cost, now)
+
+    def _tokens(self, key: tuple[str, int], now: float) -> float:
+        """What ``key``'s bucket holds now, taken out of the LRU order to be put back."""
+        bucket = self._buckets.pop(key, None)
+        self._expire(now)
+        if bucket is None:
+            return self.burst
+        return min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+
     def _expire(self, now: float) -> None:
         """Drop the buckets that have refilled, oldest first, and make room for one."""
         buckets = self._buckets
         while buckets:
-            key, (_, last) = next(iter(buckets.items()))
-            if now - last < self._refill_s and len(buckets) < self.max_buckets:
+            key, (tokens, last) = next(iter(buckets.items()))
+            refilled = now - last >= (self.burst - min(tokens, 0.0)) / self.rate
+            if not refilled and len(buckets) < self.max_buckets:
                 return
             del buckets[key]
 
@@ -257,7 +278,11 @@ _EVENTS = TypeAdapter(EventIn | list[EventIn])
 _MODELS = TypeAdapter(list[ModelEndpoint])
 _ADMISSION = TypeAdapter(AdmissionIn)
 
-_INT64 = 2**63  # what SQLite binds: a larger step or offset would be a 500, not a 400
+# Integer query parameters, as SQLite binds them (a larger one was a 500, not a 4xx).
+_Int64 = query_int()
+_Attempt = query_int(ge=1)
+_Offset = query_int(ge=0)
+_SummaryLimit = query_int(ge=0, le=MAX_PAGE)
 
 
 class _SummaryParams(BaseModel):
@@ -269,18 +294,16 @@ class _SummaryParams(BaseModel):
     status: str | None = Field(default=None, description="comma list; may also repeat")
     mode: Mode | None = None
     group_id: str | None = None
-    step: int | None = Field(
+    step: _Int64 | None = Field(
         default=None,
-        ge=-_INT64,
-        lt=_INT64,
         description="metadata.step (validation), else metadata.batch + 1 (training)",
     )
     min_reward: float | None = Field(default=None, allow_inf_nan=False)
     max_reward: float | None = Field(default=None, allow_inf_nan=False)
     sort: SortKey = SortKey.CREATED
     desc: bool = False
-    offset: int = Field(default=0, ge=0, lt=_INT64)
-    limit: int = Field(default=100, ge=0, le=MAX_PAGE, description="0: the total alone")
+    offset: _Offset = 0
+    limit: _SummaryLimit = Field(default=100, description="0: the total alone")
 
 
 class _SummaryPage(BaseModel):
@@ -307,6 +330,25 @@ def _parse(adapter: TypeAdapter[T], body: bytes) -> T:
         raise ApiError(400, "request body is empty; it must be JSON")
     try:
         return adapter.validate_json(body)
+    except ValidationError as error:
+        raise ApiError(422, _describe(error.errors())) from None
+
+
+def _parse_events(body: bytes, cap: int) -> EventIn | list[EventIn]:
+    """An events body, counted before it is validated: validating and storing 100,000
+    events held the event loop, and so every other call, for seconds."""
+    try:
+        parsed = from_json(body, allow_inf_nan=False)
+    except ValueError:
+        return _parse(_EVENTS, body)  # which says what is wrong with it, as for any body
+    if isinstance(parsed, list) and len(parsed) > cap:
+        raise ApiError(
+            413,
+            f"{len(parsed)} events in one POST, over the limit of {cap} "
+            "(max_events_per_post): send them in smaller batches",
+        )
+    try:
+        return _EVENTS.validate_python(parsed)
     except ValidationError as error:
         raise ApiError(422, _describe(error.errors())) from None
 
@@ -464,12 +506,14 @@ class Gateway:
         keyring: Keyring,
         proxy: RecordingProxy,
         limit: AttemptRateLimit | None = None,
+        max_events: int = GatewayConfig.max_events_per_post,
     ) -> None:
         self.store = store
         self.keyring = keyring
         self.proxy = proxy
         self.gate = proxy.gate
         self.limit = AttemptRateLimit(0.0, 1) if limit is None else limit  # it has a len()
+        self.max_events = max_events
 
     # -- auth ----------------------------------------------------------------------
 
@@ -635,9 +679,11 @@ class Gateway:
 
     async def post_events(self, request: Request, rollout_id: str, attempt: int) -> Response:
         principal = self.for_attempt(request, rollout_id, attempt)
-        body = _parse(_EVENTS, await request.body())
-        await self.live_attempt(rollout_id, attempt, principal)
+        body = _parse_events(await request.body(), self.max_events)
         batch = body if isinstance(body, list) else [body]
+        if not principal.admin:
+            self.limit.charge((rollout_id, attempt), len(batch) - 1)  # the call took one
+        await self.live_attempt(rollout_id, attempt, principal)
         if not principal.admin and (forged := {e.type for e in batch} & PROXY_EVENT_TYPES):
             # The trainer trains on these: only the proxy, which saw the model answer,
             # writes them. An agent posting one would be forging tokens and logprobs.
@@ -686,6 +732,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
             Keyring(admin_token, bytes.fromhex(secret)),
             proxy,
             AttemptRateLimit(config.attempt_rps, config.attempt_burst),
+            config.max_events_per_post,
         )
         holder["gateway"] = gateway
         sweeper = asyncio.create_task(gateway.sweep_timeouts(config.sweep_interval_s))
@@ -769,7 +816,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         mode: str | None = None,
         group_id: str | None = None,
         cursor: str | None = None,
-        limit: int = 100,
+        limit: _Int64 = 100,
     ) -> Response:
         g = gw()
         g.admin(request)
@@ -815,10 +862,10 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
     async def get_events(
         request: Request,
         rollout_id: str,
-        attempt: int | None = None,
+        attempt: _Attempt | None = None,
         type: str | None = None,
         cursor: str | None = None,
-        limit: int = 1000,
+        limit: _Int64 = 1000,
     ) -> Response:
         g = gw()
         principal, _ = await g.readable(request, rollout_id)
@@ -972,9 +1019,10 @@ def _statuses(values: list[str]) -> frozenset[Status]:
 def _cursor(cursor: str | None) -> int:
     if cursor is None or cursor == "":
         return 0
-    if not cursor.isdigit():
-        raise ApiError(422, f"cursor {cursor!r} is not one this gateway handed out")
-    return int(cursor)
+    try:
+        return whole_number(cursor)
+    except ValueError:
+        raise ApiError(422, f"cursor {cursor[:40]!r} is not one this gateway handed out") from None
 
 
 def _summary_query(request: Request) -> SummaryQuery:

@@ -40,7 +40,13 @@ from agl.core.admission import AdmissionGate, Ticket
 from agl.core.calls import invalid_reason
 from agl.core.dialects import ANTHROPIC, Dialect, DialectError, StreamTranslator
 from agl.core.errors import ApiError, json_error, upstream_error
-from agl.core.records import MODEL_REQUEST, MODEL_REQUEST_FAILED, EventIn, ModelEndpoint, storable
+from agl.core.records import (
+    MODEL_REQUEST,
+    MODEL_REQUEST_FAILED,
+    EventIn,
+    ModelEndpoint,
+    parse_storable,
+)
 from agl.core.sampling import (
     SamplingError,
     forwarded_sampling,
@@ -103,11 +109,14 @@ class _Choice:
         if isinstance(choice.get("text"), str):  # a text completion's chunk
             self.text.append(choice["text"])
         delta = choice.get("delta") or {}
-        if delta.get("content"):
-            self.text.append(delta["content"])
+        content = delta.get("content")
+        if content is not None and not isinstance(content, str):
+            raise ValueError(f"delta.content is {type(content).__name__}, not a string")
+        if content:
+            self.text.append(content)
         for call in delta.get("tool_calls") or ():
             slot = self.tool_calls.setdefault(
-                call.get("index", 0),
+                _index(call, "a tool call"),
                 {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
             )
             if call.get("id"):
@@ -123,6 +132,15 @@ class _Choice:
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
         return message
+
+
+def _index(item: dict[str, Any], what: str) -> int:
+    """A streamed choice's or tool call's ``index``: the record sorts them by it, so one
+    that is not an integer makes the stream malformed (not a crash once it is over)."""
+    index = item.get("index", 0)
+    if type(index) is not int:
+        raise ValueError(f"{what} has index {index!r:.40}, not an integer")
+    return index
 
 
 def _logprobs(choice: dict[str, Any]) -> list[Any]:
@@ -420,7 +438,8 @@ class RecordingProxy:
             if upstream.status != 200:
                 return await self._failed(call, upstream_error(upstream.status, payload))
         try:
-            answer = orjson.loads(payload)
+            # Held to the rules of a request: what is recorded must read back.
+            answer = parse_storable(payload)
             calls = [
                 self._call_data(
                     call,
@@ -434,11 +453,11 @@ class RecordingProxy:
                 )
                 for choice, c in enumerate(answer["choices"])
             ]
+            sent = call.api.answer(answer)
         except _MALFORMED as error:
             return await self._failed(
                 call, ApiError(502, f"endpoint answered a malformed completion: {error!r}")
             )
-        sent = call.api.answer(answer)
         answer_id = await self._record(call, calls, sent, stream=False)
         return _Sent(
             sent,
@@ -475,11 +494,11 @@ class RecordingProxy:
                     data = line[5:].strip()
                     if data == b"[DONE]":
                         break
-                    chunk = orjson.loads(data)
+                    chunk = parse_storable(data)
                     if chunk.get("prompt_token_ids") is not None:
                         prompt_ids = chunk["prompt_token_ids"]
                     for c in chunk.get("choices") or ():
-                        choices.setdefault(c.get("index", 0), _Choice()).add(c)
+                        choices.setdefault(_index(c, "a choice"), _Choice()).add(c)
                     for event in translator.feed(chunk):
                         sent.append(event)
                         yield event
@@ -636,15 +655,11 @@ class RecordingProxy:
 def _request_of(body: bytes) -> dict[str, Any]:
     """A harness's request body: a JSON object that the store can hold."""
     try:
-        request = orjson.loads(body)
-    except orjson.JSONDecodeError as error:
-        raise ApiError(400, f"request body is not valid JSON: {error}") from None
-    if not isinstance(request, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    try:
-        storable(request)  # it is recorded, and must read back
+        request = parse_storable(body)  # it is recorded, and must read back
     except ValueError as error:
         raise ApiError(400, f"request body: {error}") from None
+    if not isinstance(request, dict):
+        raise ApiError(400, "the request body must be a JSON object")
     return request
 
 

@@ -11,6 +11,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import from_json
 
 
 class Status(StrEnum):
@@ -47,23 +48,70 @@ _INT_RANGE = (-(2**63), 2**64)  # what orjson can write back
 
 def storable(value: Any) -> Any:
     """``value`` if the store can keep it exactly as sent and give it back, else
-    ValueError saying why: nesting deeper than ``MAX_JSON_DEPTH``, an integer past 64
-    bits, a NaN or infinite number (not JSON; it would come back as null)."""
-    stack = [(value, 1)]
+    ValueError saying why and where (a dotted path, as pydantic names a field): nesting
+    deeper than ``MAX_JSON_DEPTH``, an integer past 64 bits, a NaN or infinite number
+    (not JSON; it would come back as null)."""
+    stack: list[tuple[Any, int, _Path]] = [(value, 1, None)]
     while stack:
-        item, depth = stack.pop()
+        item, depth, path = stack.pop()
         if isinstance(item, dict | list):
             if depth > MAX_JSON_DEPTH:
-                raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children)
+                raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels{_at(path)}")
+            if isinstance(item, list) and _plain_list(item):
+                continue
+            pairs = item.items() if isinstance(item, dict) else enumerate(item)
+            stack.extend((child, depth + 1, (path, key)) for key, child in pairs)
         elif isinstance(item, bool):
             continue
         elif isinstance(item, int) and not _INT_RANGE[0] <= item < _INT_RANGE[1]:
-            raise ValueError("an integer does not fit in 64 bits")
+            raise ValueError(f"an integer does not fit in 64 bits{_at(path)}")
         elif isinstance(item, float) and not math.isfinite(item):
-            raise ValueError("NaN and infinite numbers are not JSON")
+            raise ValueError(f"NaN and infinite numbers are not JSON{_at(path)}")
     return value
+
+
+def parse_storable(body: bytes) -> Any:
+    """``body`` read as JSON that ``storable`` accepts, else ValueError saying why.
+    Integers are read exactly: orjson reads one past 64 bits as a float, which would then
+    be forwarded and recorded as a number nobody sent."""
+    try:
+        value = from_json(body, allow_inf_nan=False)
+    except ValueError as error:
+        if str(error).startswith("recursion limit exceeded"):  # the parser's own, at 200
+            raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+        raise ValueError(f"not valid JSON: {error}") from None
+    return storable(value)
+
+
+# Where an item sits, as a linked list from the innermost key out: cheap to make for
+# every item, spelled out only for the one that is refused.
+_Path = tuple["_Path", "str | int"] | None
+_SHOWN_KEYS = 8
+
+
+def _at(path: _Path) -> str:
+    keys: list[str] = []
+    while path is not None:
+        path, key = path
+        keys.append(str(key))
+    if not keys:
+        return ""
+    keys.reverse()
+    shown = ".".join(keys[:_SHOWN_KEYS]) + (" ..." if len(keys) > _SHOWN_KEYS else "")
+    return f" (at {shown})"
+
+
+def _plain_list(items: list[Any]) -> bool:
+    """Whether a list holds only scalars that are storable, checked at C speed: token
+    ids and logprobs are long flat lists, walked item by item otherwise."""
+    kinds = set(map(type, items))
+    if kinds <= {str, bool, type(None)}:
+        return True
+    if kinds == {int}:
+        return _INT_RANGE[0] <= min(items) and max(items) < _INT_RANGE[1]
+    if kinds == {float}:
+        return all(map(math.isfinite, items))
+    return False
 
 
 StorableJson = Annotated[Any, AfterValidator(storable)]

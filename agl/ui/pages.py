@@ -23,6 +23,7 @@ from starlette.datastructures import QueryParams
 from starlette.responses import Response
 
 from agl.core.auth import bearer
+from agl.core.query import INT64_MAX, INT64_MIN, whole_number
 from agl.core.records import Event, Rollout, Status
 from agl.core.store import (
     HISTORY_SINCE,
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from agl.core.gateway import Gateway
 
 PAGE_SIZE = 50
+MAX_PAGE = INT64_MAX // PAGE_SIZE  # the last page whose offset SQLite can bind
 MAX_EVENTS = 5000  # events of one rollout on its page
 MAX_GROUP = 256  # rollouts of one group on its page
 
@@ -300,9 +302,9 @@ class ListForm:
             status_set = frozenset()
         if fields["mode"] not in ("", "train", "val"):
             problems.append("mode must be train or val")
-        step = _number(fields["step"], int, "step", problems)
-        low = _number(fields["min_reward"], float, "min_reward", problems)
-        high = _number(fields["max_reward"], float, "max_reward", problems)
+        step = _whole(fields["step"], "step", INT64_MIN, problems)
+        low = _reward(fields["min_reward"], "min_reward", problems)
+        high = _reward(fields["max_reward"], "max_reward", problems)
         try:
             sort = SortKey(fields["sort"] or SortKey.CREATED)
         except ValueError:
@@ -312,9 +314,7 @@ class ListForm:
         if fields["order"] not in ("", "asc", "desc"):
             problems.append("order must be asc or desc")
         fields["order"] = fields["order"] or "desc"
-        page = _number(params.get("page", "") or "1", int, "page", problems)
-        if page is not None and page < 1:
-            problems.append("page must be 1 or more")
+        page = _whole(params.get("page", "") or "1", "page", 1, problems, MAX_PAGE)
         if problems:
             raise UiError(400, "; ".join(problems))
         query = SummaryQuery(
@@ -367,15 +367,27 @@ class ListForm:
         }
 
 
-def _number(text: str, kind: type[int] | type[float], name: str, problems: list[str]) -> Any:
+def _whole(
+    text: str, name: str, low: int, problems: list[str], high: int = INT64_MAX
+) -> int | None:
     if not text:
         return None
     try:
-        value = kind(text)
-    except ValueError:
-        problems.append(f"{name} must be a number, not {text!r}")
+        return whole_number(text, low, high)
+    except ValueError as error:
+        problems.append(f"{name} {error}, not {text[:40]!r}")
         return None
-    if isinstance(value, float) and not math.isfinite(value):
+
+
+def _reward(text: str, name: str, problems: list[str]) -> float | None:
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        problems.append(f"{name} must be a number, not {text[:40]!r}")
+        return None
+    if not math.isfinite(value):
         problems.append(f"{name} must be finite")
         return None
     return value
