@@ -16,6 +16,7 @@ from agl.core.auth import load_admin_token
 from agl.core.cli import parse_or_exit
 from agl.core.connections import http_protocol
 from agl.core.gateway import GatewayConfig, bind_refusal, create_app
+from agl.core.private_files import private_dir
 
 log = logging.getLogger("agl.gateway")
 
@@ -26,6 +27,12 @@ def main(argv: list[str] | None = None) -> None:
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     run_dir = Path(config.run_dir)
+    try:
+        # Its store holds the attempt keys' signing secret; its admin_token, the admin's.
+        private_dir(run_dir)
+    except OSError as error:
+        sys.stderr.write(f"agl.gateway: cannot set up run_dir {run_dir}: {error}\n")
+        raise SystemExit(2) from None
     try:
         token, source = load_admin_token(run_dir, config.admin_token_file)
     except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError

@@ -2,7 +2,8 @@
 (``tests.controller_harnesses:<name>``, imported from the repo root).
 
 Each reads its rollout's input from ``env`` and reports with ``AgentContext``, sharing the
-worker's HTTP pool. ``input`` keys they understand: ``reward`` (float), ``sleep`` (s).
+worker's HTTP pool. ``input`` keys they understand: ``reward`` (float), ``sleep`` (s),
+``until`` (a path: wait until that file exists, the test's go, before finishing).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import hashlib
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 import httpx
 import openai
@@ -27,10 +29,19 @@ async def _seen(agent: AgentContext) -> None:
     await agent.client(shared_http()).post_events(agent.rollout_id, agent.attempt, [event])
 
 
+async def _hold(agent: AgentContext) -> None:
+    """Sleep ``sleep`` s, then wait for the file ``until`` names: a test that kills the
+    attempt meanwhile knows it was still running, however slow the machine."""
+    await asyncio.sleep(float(agent.input.get("sleep", 0)))
+    until = agent.input.get("until")
+    while until and not Path(until).exists():
+        await asyncio.sleep(0.05)
+
+
 async def reward_from_input(env: Mapping[str, str]) -> None:
     agent = AgentContext.from_env(env)
     await _seen(agent)
-    await asyncio.sleep(float(agent.input.get("sleep", 0)))
+    await _hold(agent)
     print(f"rollout {agent.rollout_id} done")  # lands in the worker log, not the protocol
     await agent.finish(reward=float(agent.input["reward"]), http=shared_http())
 
@@ -82,7 +93,7 @@ async def by_input(env: Mapping[str, str]) -> None:
         return
     if do in ("finish", "lucky", "none"):
         await _seen(agent)
-    await asyncio.sleep(float(agent.input.get("sleep", 0)))
+    await _hold(agent)
     if do == "finish" or (do == "lucky" and agent.attempt >= 2):
         print(f"rollout {agent.rollout_id} done")  # lands in the worker log
         await agent.finish(reward=float(agent.input.get("reward", 1.0)), http=shared_http())

@@ -18,7 +18,8 @@ def test_retries_connection_errors_until_the_gateway_is_up(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     port = free_port()
-    client = GatewayClient(f"http://127.0.0.1:{port}", "tok", retries=12, backoff_s=0.1)
+    # 20 tries wait 35 s at least: a gateway starting on a busy machine takes a while.
+    client = GatewayClient(f"http://127.0.0.1:{port}", "tok", retries=20, backoff_s=0.1)
 
     def start_late() -> None:
         time.sleep(0.5)

@@ -64,7 +64,7 @@ def test_acknowledged_writes_survive_kill_9(run_dir: Path, upstream: tuple[str, 
         threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while len(acked_calls) < 15 and time.monotonic() < deadline:
             time.sleep(0.05)
         gw.kill()  # mid-load: writers are between requests, or inside one

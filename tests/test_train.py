@@ -74,7 +74,9 @@ def test_backend_verl_trains_through_verls_actor(tmp_path: Path) -> None:
     """``backend=verl``: verl's own actor update (its FSDP2 engine, in-process on CPU)
     trains the module the embedded server serves. A subprocess: verl starts a process
     group, which must not outlive the test."""
-    pytest.importorskip("verl", reason="backend=verl needs verl 0.9.1 (the README's test command)")
+    pytest.importorskip(
+        "verl", reason="backend=verl needs verl 0.9.1: pip install --no-deps verl==0.9.1"
+    )
     result = run_train(tmp_path, "backend=verl")
     assert result.returncode == 0, result.stderr[-3000:]
     trained_two_steps(tmp_path)

@@ -36,10 +36,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip(
     "verl",
-    reason="verl 0.9.1 is not installed: pip install --no-deps verl==0.9.1 and the `verl` "
-    "extra (pip install -e .[verl])",
+    reason="verl 0.9.1 is not installed: pip install -e '.[verl]' && pip install --no-deps "
+    "verl==0.9.1",
 )
-pytest.importorskip("peft", reason="verl's FSDP engine imports peft: pip install -e .[verl]")
+pytest.importorskip("peft", reason="verl's FSDP engine imports peft: pip install -e '.[verl]'")
 
 import torch
 from omegaconf import OmegaConf

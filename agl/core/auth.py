@@ -23,6 +23,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from agl.core.private_files import FILE_MODE, private_dir, private_file
+
 ATTEMPT_KEY_PREFIX = "agl-"
 REPORT_KEY_PREFIX = "aglr-"
 # Domain separation: a report key's MAC is over this and the scope, a model key's over the
@@ -124,8 +126,9 @@ def load_admin_token(run_dir: Path, token_file: str = "") -> tuple[str, str]:
         return token, "AGL_ADMIN_TOKEN"
     path = run_dir / "admin_token"
     if not path.exists():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        private_dir(run_dir)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(32) + "\n")
+    private_file(path)  # one an earlier version left 0644 is tightened
     return path.read_text().strip(), str(path)

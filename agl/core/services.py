@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from agl.core.private_files import private_dir
+
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
@@ -122,7 +124,7 @@ class ChildGateway:
         return self.run_dir / "admin_token"
 
     def start(self, timeout_s: float = 60.0) -> ChildGateway:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.run_dir)
         descriptor = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.fchmod(descriptor, 0o600)  # a file left by an earlier run keeps its mode otherwise
         with os.fdopen(descriptor, "w") as file:
@@ -136,7 +138,7 @@ class ChildGateway:
         return self
 
     def _launch(self, timeout_s: float) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.run_dir)
         args = [f"host={self.host}", f"port={self.port}", f"run_dir={self.run_dir}"]
         with self._lock:
             if self._stopping:

@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from agl.core.lifecycle import IllegalTransition, apply_patch
+from agl.core.private_files import DIR_MODE, private_sqlite
 from agl.core.records import (
     Event,
     EventIn,
@@ -271,7 +272,10 @@ class _Added:
 
 class SqliteStore(Store):
     def __init__(self, path: Path, fsync: bool = False) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        # A folder made here is private; one that exists may be shared (/tmp), so it is
+        # left as it is: the files themselves are 0600.
+        path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        private_sqlite(path)
         self.path = path
         self._db = sqlite3.connect(path, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")

