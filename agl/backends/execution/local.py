@@ -13,7 +13,12 @@ Two kinds of harness, chosen by the harness string:
   that does not exec its last command reports a signal death as exit code 128+N:
   write ``command:exec ...`` to see "killed by signal NAME".
 
-``extra_pythonpath`` is prepended to ``PYTHONPATH`` for both kinds.
+``extra_pythonpath`` is prepended to ``PYTHONPATH`` for both kinds. With ``confine``, both
+kinds run in their own PID and mount namespaces without capabilities, ``run_dir`` (the
+gateway's store and admin token, when the gateway's folder is in it) and ``hide`` out of
+sight (:mod:`agl.backends.execution.confine`). Neither kind's environment holds the
+attempt's report key: a worker gets it on its launch line, a command on the pipe
+``AGL_REPORT_FD`` (:mod:`agl.agent`).
 
 Every child runs in its own process group (so a kill takes its children too) and, on
 Linux, gets SIGKILL when the thread that started it (the controller's loop) dies.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -34,6 +40,7 @@ from typing import Any
 import orjson
 
 from agl.agent import ENV_REPORT_FD, report_pipe
+from agl.backends.execution.confine import confined, unavailable
 from agl.backends.execution.worker import READ_LIMIT, split_harness
 from agl.core.controller import ORPHANED, Exit, Key, Launch
 from agl.core.services import die_with_parent
@@ -53,6 +60,39 @@ class LocalExecutorConfig:
     workers: int = 2
     concurrency: int = 64  # attempts per worker (python harness) or processes in total (command)
     extra_pythonpath: list[str] = field(default_factory=list)
+    # Agents in their own PID and mount namespaces without capabilities, ``run_dir`` and
+    # ``hide`` out of sight (agl/backends/execution/confine.py): True, False, or "auto"
+    # (when this machine allows it; else a warning and unconfined).
+    confine: bool | str = False
+    hide: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.confine not in (True, False, "auto"):
+            raise ValueError(f"confine must be true, false or auto, not {self.confine!r}")
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        """``argv`` as the agent's process runs it: confined or as it is."""
+        if not self.confining:
+            return argv
+        return confined(argv, [Path(self.run_dir), *map(Path, self.hide)])
+
+    @property
+    def confining(self) -> bool:
+        """Whether agents run confined; ValueError if asked for and impossible here."""
+        if self.confine is False:
+            return False
+        reason = unavailable()
+        if reason is None:
+            return True
+        if self.confine is True:
+            raise ValueError(f"cannot confine the agents ({reason}); set confine=false")
+        _warn_unconfined(reason)
+        return False
+
+
+@functools.cache
+def _warn_unconfined(reason: str) -> None:
+    log.warning("agents run unconfined: %s (they can read the run's folder)", reason)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
@@ -116,6 +156,7 @@ class LocalExecutor:
         if self._backend is not None:
             return
         harness = self.config.harness
+        self.config.confining  # noqa: B018 - refuses confine=true where it cannot be had
         if harness.startswith("command:"):
             command = harness.removeprefix("command:").strip()
             if not command:
@@ -202,11 +243,15 @@ class _WorkerPool:
         """Start ``worker`` and wait for its handshake; ValueError saying why it failed."""
         with open(worker.log_path, "ab") as log_file:  # the child keeps its own copy
             process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "agl.backends.execution.worker",
-                self.config.harness,
-                str(self.config.concurrency),
+                *self.config.wrap(
+                    [
+                        sys.executable,
+                        "-m",
+                        "agl.backends.execution.worker",
+                        self.config.harness,
+                        str(self.config.concurrency),
+                    ]
+                ),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log_file,
@@ -415,8 +460,8 @@ class _CommandRunner:
             open(f"{stem}.err", "wb") as err,
             report_pipe(launch.report_key) as report_fd,
         ):
-            process = await asyncio.create_subprocess_shell(
-                self.command,
+            process = await asyncio.create_subprocess_exec(
+                *self.config.wrap(["/bin/sh", "-c", self.command]),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,

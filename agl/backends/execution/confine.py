@@ -1,0 +1,116 @@
+"""Agents confined on this machine: the run's files and the other processes out of reach.
+
+A local agent runs as the trainer's OS user (root, on many research machines), and its
+model's shell tools with it: without more, a tool reads the gateway's store and admin
+token from the run folder, or another process's environment and memory, and with them
+sets any reward. ``confined(command, hidden)`` wraps an agent's command so that it runs
+
+- in its own **PID namespace** (``unshare --pid --mount-proc``): ``/proc`` lists only the
+  agent's own processes, so no other process's environment, memory or namespaces;
+- in its own **mount namespace**, each ``hidden`` folder (the run folder) under an empty
+  tmpfs no one may enter;
+- with **every capability dropped** and ``no_new_privs`` (``setpriv``): even uid 0 cannot
+  unmount the tmpfs, mount anything, trace a process or regain a privilege through a
+  setuid program.
+
+Without root it first enters a user namespace mapped to its own user (``--user
+--map-root-user``). The network is the machine's: the agent reaches the gateway on
+loopback (a NetworkPolicy is the Kubernetes executor's answer to egress). The harness
+inherits its pipes and file descriptors as before, so workers, logs and the report-key
+pipe work unchanged; process-group signals reach it from outside the namespace.
+
+``python -m agl.backends.execution.confine --hide DIR ... -- COMMAND ...`` is the
+namespace's first process: it mounts the tmpfs, runs ``COMMAND`` under ``setpriv`` as its
+child (the first process of a PID namespace ignores signals it does not handle, and reaps
+orphans), and exits with the command's status (128 + N for a signal N).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+# An empty, tiny filesystem with mode 000: listing or entering it is refused.
+_TMPFS_OPTIONS = "size=4k,mode=000"
+_DROP = ("--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all")
+
+
+def _unshare() -> list[str]:
+    prefix = ["unshare"]
+    if os.geteuid() != 0:
+        prefix += ["--user", "--map-root-user"]
+    return [
+        *prefix,
+        "--mount",
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--mount-proc",
+        "--propagation",
+        "private",
+    ]
+
+
+def confined(command: Sequence[str], hidden: Sequence[Path]) -> list[str]:
+    """``command`` (an argv) run confined, with ``hidden`` folders out of its sight."""
+    hide = [f"--hide={Path(d).resolve()}" for d in hidden]
+    return [*_unshare(), sys.executable, "-m", __name__, *hide, "--", *command]
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why agents cannot be confined here (a missing tool, namespaces refused), or None.
+    Tried once per process, with a real confined ``true``."""
+    for tool in ("unshare", "setpriv"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (util-linux)"
+    probe = subprocess.run(
+        confined(["true"], []), capture_output=True, text=True, timeout=60, check=False
+    )
+    if probe.returncode != 0:
+        reason = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+        return f"namespaces are not available: {reason}"
+    return None
+
+
+def _hide(folder: str) -> None:
+    if not os.path.isdir(folder):
+        return  # nothing there to hide yet; nothing made later is visible either way
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", _TMPFS_OPTIONS, "agl-hidden", folder],
+        check=True,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in args:
+        sys.exit("usage: python -m agl.backends.execution.confine [--hide=DIR ...] -- COMMAND")
+    split = args.index("--")
+    options, command = args[:split], args[split + 1 :]
+    if not command or any(not o.startswith("--hide=") for o in options):
+        sys.exit("usage: python -m agl.backends.execution.confine [--hide=DIR ...] -- COMMAND")
+    try:
+        for option in options:
+            _hide(option.removeprefix("--hide="))
+    except (OSError, subprocess.CalledProcessError) as error:
+        sys.exit(f"agl confine: cannot hide the run's folders: {error}")
+    # Signals sent to the group reach the command itself; this first process only waits
+    # (a handler, not SIG_IGN: an ignored signal would stay ignored in the command).
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: None)
+    # close_fds=False: the command keeps what it was given (its pipes, the report key's).
+    child = subprocess.Popen(["setpriv", *_DROP, "--", *command], close_fds=False)
+    code = child.wait()
+    sys.exit(128 - code if code < 0 else code)
+
+
+if __name__ == "__main__":
+    main()
