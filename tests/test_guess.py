@@ -57,7 +57,14 @@ from experiments.guess.harness import (
     run,
 )
 from experiments.guess.harness import main as harness_main
-from experiments.guess.warmup import DropoutBPE, encode_game, random_game, warm_up
+from experiments.guess.warmup import (
+    DropoutBPE,
+    encode_game,
+    induction_batch,
+    ordinary_tokens,
+    random_game,
+    warm_up,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK = yaml.safe_load((ROOT / "conf/task/guess.yaml").read_text())
@@ -566,6 +573,33 @@ def test_the_warmed_model_is_a_random_player(warmed: Warmed) -> None:
     # Chance is ~0.69 on 1..8 (a guess below the target leaves more room above it); a
     # player that learned the game would be near 1.
     assert sum(followed) / len(followed) < 0.8
+
+
+def test_induction_strings_are_written_twice_and_scored_on_the_repeat() -> None:
+    tokens = list(range(10, 60))
+    ids, attention, labels = induction_batch(random.Random(0), tokens, 4, 6)
+    assert ids.shape == labels.shape == attention.shape == (4, 12)
+    assert torch.equal(ids[:, :6], ids[:, 6:]) and bool(attention.all())
+    assert set(ids.flatten().tolist()) <= set(tokens)
+    # The first copy and the repeat's first token cannot be predicted: no loss there.
+    assert bool((labels[:, :7] == -100).all()) and torch.equal(labels[:, 7:], ids[:, 7:])
+    again, _, _ = induction_batch(random.Random(0), tokens, 4, 6)
+    assert torch.equal(ids, again)  # a function of its generator
+
+
+def test_the_warmed_model_copies_but_plays_blind(warmed: Warmed) -> None:
+    """The warm-up's copying phase leaves a model that repeats a random string it has
+    seen (an induction head: the skill reading the feedback needs) while the game phase
+    keeps it a random player (the test above): copying is a skill, not a strategy."""
+    tokenizer = warmed.loaded.tokenizer
+    ids, _, labels = induction_batch(random.Random(7), ordinary_tokens(tokenizer), 32, 16)
+    with torch.no_grad():
+        logits = warmed.loaded.model(input_ids=ids).logits
+    scored = labels[:, 1:] != -100
+    copied = (logits[:, :-1].argmax(-1) == ids[:, 1:])[scored].float().mean().item()
+    print(f"\ncopies {copied:.3f} of the repeated tokens (warm-up {warmed.metrics})")
+    assert warmed.metrics["induction_loss"] < 0.5
+    assert copied > 0.9  # random weights: ~1/1500
 
 
 @dataclass

@@ -359,10 +359,12 @@ def test_export_writes_one_line_per_rollout_with_its_events(
             stored = admin.get_events(rid)
             assert [Event.model_validate(e) for e in line["events"]] == stored
             assert Rollout.model_validate(line["rollout"]) == admin.get_rollout(rid).model_copy(
-                update={"attempt_key": None}
+                update={"attempt_key": None, "report_key": None}
             )
-            # The agent's key is a credential: it never reaches the file.
-            assert admin.get_rollout(rid).attempt_key not in target.read_text()
+            # The agent's keys are credentials: they never reach the file.
+            record = admin.get_rollout(rid)
+            for key in (record.attempt_key, record.report_key):
+                assert key and key not in target.read_text()
     kinds = {e["type"] for line in lines for e in line["events"]}
     assert kinds == {"model_request", "model_request_failed", "reward"}
 

@@ -619,12 +619,12 @@ def test_a_batch_over_the_events_cap_is_refused_whole_and_one_at_the_cap_is_stor
     """100,000 events in one POST held the event loop (and every other agent) for 5 s."""
     r = running()
     over = [{"type": "log", "event_id": f"e{i}", "data": i} for i in range(1001)]
-    refused = raw(gateway.url, "POST", events_path(r.rollout_id, 1), r.attempt_key, json=over)
+    refused = raw(gateway.url, "POST", events_path(r.rollout_id, 1), r.report_key, json=over)
     assert refused.status_code == 413, refused.text[:300]
     message = error_message(refused)
     assert "1001 events" in message and "1000" in message and "max_events_per_post" in message
     assert admin.get_events(r.rollout_id) == []  # all or nothing
-    stored = raw(gateway.url, "POST", events_path(r.rollout_id, 1), r.attempt_key, json=over[:1000])
+    stored = raw(gateway.url, "POST", events_path(r.rollout_id, 1), r.report_key, json=over[:1000])
     assert stored.status_code == 200, stored.text[:300]
     assert [e.data for e in admin.get_events(r.rollout_id)] == list(range(1000))
 
@@ -635,9 +635,9 @@ def test_an_event_batch_spends_the_rate_limit_as_its_events(tight: GatewayProces
     have passed at once."""
     r = start(tight)
     batch = [{"type": "log", "event_id": f"e{i}"} for i in range(60)]
-    posted = raw(tight.url, "POST", events_path(r.rollout_id, 1), r.attempt_key, json=batch)
+    posted = raw(tight.url, "POST", events_path(r.rollout_id, 1), r.report_key, json=batch)
     assert posted.status_code == 200, posted.text
-    limited = raw(tight.url, "POST", events_path(r.rollout_id, 1), r.attempt_key, json=REWARD)
+    limited = raw(tight.url, "POST", events_path(r.rollout_id, 1), r.report_key, json=REWARD)
     assert limited.status_code == 429, limited.text
     assert int(limited.headers["Retry-After"]) >= 2, limited.headers
     with GatewayClient(tight.url, tight.token) as admin:
