@@ -6,7 +6,7 @@ Each attacker loops over ``ATTACKS`` until it is told to stop, every request bou
 timeout, and counts each outcome per attack kind: the HTTP status, ``held`` / ``closed``
 for a stalled socket (still open after ``hold_s``, or dropped by the gateway), or the
 transport error's name (the gateway is killed -9 mid-run, so some calls meet no gateway).
-The attackers run in a process of their own (``run_in_process``), so that their own CPU
+The attackers run in a process of their own (``AttackProcess``), so that their own CPU
 is not spent inside the honest agents' event loop, which would add to the honest latency
 that the soak measures.
 """
@@ -14,11 +14,11 @@ that the soak measures.
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
 import contextlib
 import itertools
 import multiprocessing
+import queue
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
+from agl.core.auth import Keyring
 from agl.core.client import proxy_base_url
 
 # Attacks that try to set a reward or an attempt's status without the report key: a 2xx
@@ -63,7 +64,7 @@ class Plan:
     victims: tuple[str, ...]
     hold_s: float = 5.0
     stalled_sockets: int = 6  # held at once per attacker, spread over the three ways
-    timeout_s: float = 30.0  # the most one request (or one round's stall) may take
+    timeout_s: float = 30.0  # the most one attack's round (or a stalled socket's connect) takes
     settle_s: float = 60.0  # after stop, the most an attacker waits to be answered once
 
 
@@ -136,61 +137,38 @@ class Attacker:
         )
 
     async def forged_keys(self) -> None:
-        """Keys it could make: the model key as a report key (role swap), its scope with a
-        random MAC, a random key, and its MAC on a victim's scope."""
-        body = self.target.model_key.removeprefix("agl-")
-        scope, _, mac = body.partition(".")
-        victim_scope = _b64(f"1:{self.victim}".encode())
-        for key in (
-            f"aglr-{body}",
-            f"agl-{scope}.{_b64(secrets.token_bytes(32))}",
-            f"aglr-{secrets.token_urlsafe(24)}.{secrets.token_urlsafe(32)}",
-            f"aglr-{victim_scope}.{mac}",
+        """Keys it could make: its model key as a report key (role swap), report keys
+        signed with a guessed secret for itself and for a victim, and its own MAC on the
+        victim's scope."""
+        guessed = Keyring("", secrets.token_bytes(32))
+        own_mac = self.target.model_key.partition(".")[2]
+        victim_scope = guessed.report_key(self.victim, 1).partition(".")[0]
+        for rollout_id, key in (
+            (None, "aglr-" + self.target.model_key.removeprefix("agl-")),
+            (None, guessed.report_key(self.target.rollout_id, 1)),
+            (self.victim, guessed.report_key(self.victim, 1)),
+            (self.victim, f"{victim_scope}.{own_mac}"),
         ):
             await self.send(
-                "forged_keys", "POST", self.events(), json=_FORGED_REWARD, headers=self.auth(key)
+                "forged_keys",
+                "POST",
+                self.events(rollout_id),
+                json=_FORGED_REWARD,
+                headers=self.auth(key),
             )
-        await self.send(
-            "forged_keys",
-            "POST",
-            self.events(self.victim),
-            json=_FORGED_REWARD,
-            headers=self.auth(f"aglr-{victim_scope}.{mac}"),
-        )
 
     async def other_rollouts(self) -> None:
         """Finding 10: another rollout's reward, status, events, proxy; and one that does
         not exist (whether its answer differs tells which rollouts exist)."""
-        victim = self.victim
-        await self.send(
-            "other_rollouts", "POST", self.events(victim), json=_FORGED_REWARD, headers=self.auth()
-        )
-        await self.send(
-            "other_rollouts",
-            "PATCH",
-            f"{self.plan.url}/api/rollouts/{victim}/attempt/1",
-            json={"status": "failed"},
-            headers=self.auth(),
-        )
-        await self.send(
-            "other_rollouts",
-            "GET",
-            f"{self.plan.url}/api/rollouts/{victim}/events",
-            headers=self.auth(),
-        )
-        await self.send(
-            "other_rollouts",
-            "POST",
-            proxy_base_url(self.plan.url, victim, 1) + "/chat/completions",
-            json=_chat("steal"),
-            headers=self.auth(),
-        )
-        await self.send(
-            "other_rollouts",
-            "GET",
-            f"{self.plan.url}/api/rollouts/no-such-{secrets.token_hex(4)}",
-            headers=self.auth(),
-        )
+        victim, url = self.victim, self.plan.url
+        for method, where, body in (
+            ("POST", self.events(victim), _FORGED_REWARD),
+            ("PATCH", f"{url}/api/rollouts/{victim}/attempt/1", {"status": "failed"}),
+            ("GET", f"{url}/api/rollouts/{victim}/events", None),
+            ("POST", proxy_base_url(url, victim, 1) + "/chat/completions", _chat("steal")),
+            ("GET", f"{url}/api/rollouts/no-such-{secrets.token_hex(4)}", None),
+        ):
+            await self.send("other_rollouts", method, where, json=body, headers=self.auth())
 
     async def big_event_batch(self) -> None:
         """Finding 2: 100,000 events in one POST."""
@@ -200,32 +178,20 @@ class Attacker:
 
     async def deep_json(self) -> None:
         """Finding 3 (the harness's side): a chat body nested 250 levels deep."""
-        await self.send(
-            "deep_json",
-            "POST",
-            self.proxy + "/chat/completions",
-            content=_DEEP,
-            headers=self._json(),
-        )
+        await self.chat("deep_json", _DEEP)
 
     async def huge_integer(self) -> None:
         """Finding 7: an integer past 64 bits in a proxied chat body."""
-        await self.send(
-            "huge_integer",
-            "POST",
-            self.proxy + "/chat/completions",
-            content=_HUGE_INT,
-            headers=self._json(),
-        )
+        await self.chat("huge_integer", _HUGE_INT)
 
     async def oversized_body(self) -> None:
         """A chat body past the body limit, streamed without a length."""
+        await self.chat("oversized_body", _chunks(OVERSIZED_MIB))
+
+    async def chat(self, kind: str, body: bytes | AsyncIterator[bytes]) -> None:
+        """``body`` to its own attempt's proxy, with its model key."""
         await self.send(
-            "oversized_body",
-            "POST",
-            self.proxy + "/chat/completions",
-            content=_chunks(OVERSIZED_MIB),
-            headers=self._json(),
+            kind, "POST", self.proxy + "/chat/completions", content=body, headers=self._json()
         )
 
     async def query_abuse(self) -> None:
@@ -340,10 +306,6 @@ def _chat(content: Any) -> dict[str, Any]:
     return {"model": "policy", "messages": [{"role": "user", "content": content}]}
 
 
-def _b64(raw: bytes) -> str:
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
-
-
 def _stalls(path: str, key: str) -> list[bytes]:
     """Half a request line; headers without the blank line; half a body (with the key,
     so that the proxy waits for the rest rather than refusing it unread)."""
@@ -365,7 +327,7 @@ async def _chunks(mib: int) -> AsyncIterator[bytes]:
 
 
 # Made once: the attackers' bodies cost the attackers' process no CPU per round.
-_BIG_BATCH = orjson.dumps([{"type": "note", "data": i} for i in range(BIG_BATCH_EVENTS)])
+_BIG_BATCH = orjson.dumps([{"type": "n"}] * BIG_BATCH_EVENTS)
 _DEEP = orjson.dumps(_chat("x"))[:-3] + b"[" * DEEP_LEVELS + b"]" * DEEP_LEVELS + b"}]}"
 _HUGE_INT = orjson.dumps(_chat("huge"))[:-1] + b', "user_id": 123456789012345678901234567890}'
 
@@ -411,7 +373,13 @@ class AttackProcess:
 
     async def finish(self) -> Tally:
         self._stop.set()
-        outcomes, answered = await asyncio.to_thread(self._results.get, True, self._wait_s)
+        try:
+            outcomes, answered = await asyncio.to_thread(self._results.get, True, self._wait_s)
+        except queue.Empty:
+            self._process.kill()
+            raise RuntimeError(
+                f"the attackers did not stop within {self._wait_s:.0f} s of being told to"
+            ) from None
         await asyncio.to_thread(self._process.join, 10)
         tally = Tally()
         tally.outcomes.update(outcomes)

@@ -298,30 +298,38 @@ def audit_lines(r: dict[str, Any]) -> list[str]:
     ]
 
 
+# The runs' figures side by side, and those whose hostile/quiet ratio the issue targets.
+_ROWS = {
+    "calls_per_s": "honest calls/s",
+    "p50_ms": "p50 ms",
+    "p99_ms": "p99 ms",
+    "answered": "calls answered",
+    "answered_not_recorded": "answered, not recorded",
+    "duplicates": "duplicates",
+    "events_lost": "acknowledged events lost",
+    "forged_landed": "forged rewards/statuses stored",
+    "retries": "agent retries",
+    "tracebacks": "tracebacks in the gateway log",
+    "peak_rss_mb": "peak gateway RSS MiB",
+    "wall_s": "wall s",
+}
+_RATIOS = {"calls_per_s", "p99_ms"}
+
+
+def _figure(value: float) -> str:
+    return f"{value:.1f}" if isinstance(value, float) and value < 100 else f"{value:.0f}"
+
+
 def comparison(quiet: dict[str, Any], hostile: dict[str, Any]) -> list[str]:
     """The two runs side by side, the attacks' outcomes and what must hold."""
-    rows = [
-        ("honest calls/s", "calls_per_s", "{:.0f}", True),
-        ("p50 ms", "p50_ms", "{:.0f}", False),
-        ("p99 ms", "p99_ms", "{:.0f}", True),
-        ("calls answered", "answered", "{}", False),
-        ("answered, not recorded", "answered_not_recorded", "{}", False),
-        ("duplicates", "duplicates", "{}", False),
-        ("acknowledged events lost", "events_lost", "{}", False),
-        ("forged rewards/statuses stored", "forged_landed", "{}", False),
-        ("agent retries", "retries", "{}", False),
-        ("tracebacks in the gateway log", "tracebacks", "{}", False),
-        ("peak gateway RSS MiB", "peak_rss_mb", "{:.0f}", False),
-        ("wall s", "wall_s", "{:.1f}", False),
-    ]
     cells = [
         [
             name,
-            form.format(quiet[key]),
-            form.format(hostile[key]),
-            f"{hostile[key] / quiet[key]:.2f}x" if ratio and quiet[key] else "",
+            _figure(quiet[key]),
+            _figure(hostile[key]),
+            f"{hostile[key] / quiet[key]:.2f}x" if key in _RATIOS and quiet[key] else "",
         ]
-        for name, key, form, ratio in rows
+        for key, name in _ROWS.items()
     ]
     attacks = hostile["attacks"]
     outcome_rows = [
