@@ -75,6 +75,7 @@ class Tally:
     def __init__(self) -> None:
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
         self.answered: set[str] = set()
+        self.cpu_s = 0.0  # the attackers' process's own CPU time
 
     def add(self, kind: str, outcome: str) -> None:
         self.outcomes[(kind, outcome)] += 1
@@ -350,7 +351,7 @@ async def attack(plan: Plan, stop: Callable[[], bool]) -> Tally:
 def _attack_main(plan: Plan, ready: Any, stop: Any, results: Any) -> None:
     ready.set()
     tally = asyncio.run(attack(plan, stop.is_set))
-    results.put((dict(tally.outcomes), sorted(tally.answered)))
+    results.put((dict(tally.outcomes), sorted(tally.answered), time.process_time()))
 
 
 class AttackProcess:
@@ -374,7 +375,9 @@ class AttackProcess:
     async def finish(self) -> Tally:
         self._stop.set()
         try:
-            outcomes, answered = await asyncio.to_thread(self._results.get, True, self._wait_s)
+            outcomes, answered, cpu_s = await asyncio.to_thread(
+                self._results.get, True, self._wait_s
+            )
         except queue.Empty:
             self._process.kill()
             raise RuntimeError(
@@ -384,4 +387,5 @@ class AttackProcess:
         tally = Tally()
         tally.outcomes.update(outcomes)
         tally.answered.update(answered)
+        tally.cpu_s = cpu_s
         return tally

@@ -150,11 +150,25 @@ def _reward_id(rollout_id: str) -> str:
     return f"{rollout_id}-reward"
 
 
-def watch_rss(pids: list[int], peak: list[float], stop: threading.Event) -> None:
-    while not stop.wait(0.2):
-        for pid in list(pids):
-            with contextlib.suppress(psutil.Error):
-                peak[0] = max(peak[0], psutil.Process(pid).memory_info().rss / 2**20)
+class GatewayUsage:
+    """The gateway processes' peak RSS and CPU seconds (the killed one's as last seen),
+    sampled every 0.2 s until ``stop``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pids = [pid]
+        self.peak_rss_mb = 0.0
+        self.cpu_s: dict[int, float] = {}
+        self.stop = threading.Event()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self.stop.wait(0.2):
+            for pid in list(self.pids):
+                with contextlib.suppress(psutil.Error):
+                    process = psutil.Process(pid)
+                    self.peak_rss_mb = max(self.peak_rss_mb, process.memory_info().rss / 2**20)
+                    times = process.cpu_times()
+                    self.cpu_s[pid] = times.user + times.system
 
 
 @dataclass(frozen=True)
@@ -171,8 +185,7 @@ async def soak(settings: Settings, run_dir: Path, upstream: str) -> dict[str, An
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     gateway = start_gateway(run_dir, port)
-    pids, peak, stop = [gateway.pid], [0.0], threading.Event()
-    threading.Thread(target=watch_rss, args=(pids, peak, stop), daemon=True).start()
+    usage = GatewayUsage(gateway.pid)
     ids = [f"soak-{i}" for i in range(settings.honest)]
     hostile = [f"attacker-{i}" for i in range(settings.attackers)]
     with GatewayClient(url, TOKEN) as admin:
@@ -198,11 +211,11 @@ async def soak(settings: Settings, run_dir: Path, upstream: str) -> dict[str, An
         gateway.wait()
         killed_at = total[0]
         gateway = await asyncio.to_thread(start_gateway, run_dir, port)
-        pids.append(gateway.pid)
+        usage.pids.append(gateway.pid)
         await agents
     wall_s = time.monotonic() - started
     tally = await attackers.finish() if attackers else Tally()
-    stop.set()
+    usage.stop.set()
     recorded: collections.Counter[str] = collections.Counter()
     rewards, forged = set(), 0
     with GatewayClient(url, TOKEN) as admin:
@@ -239,7 +252,9 @@ async def soak(settings: Settings, run_dir: Path, upstream: str) -> dict[str, An
         "retries": audit.retries,
         "given_up": audit.given_up,
         "killed_at": killed_at,
-        "peak_rss_mb": peak[0],
+        "peak_rss_mb": usage.peak_rss_mb,
+        "gateway_cpu_s": sum(usage.cpu_s.values()),
+        "attackers_cpu_s": tally.cpu_s,
         "wall_s": wall_s,
         "attacks": tally.table(),
     }
@@ -311,6 +326,8 @@ _ROWS = {
     "retries": "agent retries",
     "tracebacks": "tracebacks in the gateway log",
     "peak_rss_mb": "peak gateway RSS MiB",
+    "gateway_cpu_s": "gateway CPU s",
+    "attackers_cpu_s": "attackers' process CPU s",
     "wall_s": "wall s",
 }
 _RATIOS = {"calls_per_s", "p99_ms"}
