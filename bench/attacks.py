@@ -30,7 +30,7 @@ import httpx
 import orjson
 
 from agl.core.auth import Keyring
-from agl.core.client import proxy_base_url
+from agl.core.client import fast_http_client, proxy_base_url
 
 # Attacks that try to set a reward or an attempt's status without the report key: a 2xx
 # for any of them is a reward the model's tools could forge.
@@ -336,9 +336,7 @@ _HUGE_INT = orjson.dumps(_chat("huge"))[:-1] + b', "user_id": 123456789012345678
 async def attack(plan: Plan, stop: Callable[[], bool]) -> Tally:
     """Every attacker of ``plan`` at once until ``stop()``; their outcomes."""
     tally = Tally()
-    timeout = httpx.Timeout(plan.timeout_s, connect=10.0)
-    limits = httpx.Limits(max_connections=len(plan.targets) + 1)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+    async with fast_http_client(len(plan.targets), timeout_s=plan.timeout_s) as http:
         await asyncio.gather(
             *(
                 Attacker(plan, target, plan.victims[i % len(plan.victims)], http, tally).run(stop)
