@@ -5,7 +5,7 @@ to the model's tools, and no report key).
 Each attacker loops over ``ATTACKS`` until it is told to stop, every request bounded by a
 timeout, and counts each outcome per attack kind: the HTTP status, ``held`` / ``closed``
 for a stalled socket (still open after ``hold_s``, or dropped by the gateway), or the
-transport error's name (the gateway is killed -9 mid-run, so some calls meet no gateway).
+error's name (the gateway is killed -9 mid-run, so some calls meet no gateway).
 The attackers run in a process of their own (``AttackProcess``), so that their own CPU
 is not spent inside the honest agents' event loop, which would add to the honest latency
 that the soak measures.
@@ -117,7 +117,9 @@ class Attacker:
             response = await self.http.request(method, url, **kwargs)
             self.tally.add(kind, str(response.status_code))
         except httpx.TransportError as error:
-            self.tally.add(kind, type(error).__name__)
+            # The aiohttp transport maps its errors to a few httpx ones (a refused
+            # connection reads ConnectTimeout); its own name says what happened.
+            self.tally.add(kind, type(error.__cause__ or error).__name__)
             # No gateway (the kill): spinning on refused connections would only take CPU
             # from the gateway coming back.
             await asyncio.sleep(NO_GATEWAY_PAUSE_S)
@@ -284,6 +286,8 @@ class Attacker:
                 await asyncio.wait_for(attack(), self.plan.timeout_s)
             except TimeoutError:
                 self.tally.add(attack.__name__, "timeout")
+            except Exception as error:  # an outcome to count, never the end of the soak
+                self.tally.add(attack.__name__, type(error).__name__)
         await asyncio.gather(*self._stalled)  # each bounded by its connect and hold
 
 
