@@ -358,8 +358,8 @@ def comparison(quiet: dict[str, Any], hostile: dict[str, Any]) -> list[str]:
         table(["", "quiet", "hostile", "hostile/quiet"], cells),
         "",
         "attack outcomes in the hostile run (status codes; held/closed: a stalled socket "
-        "still open after the hold / dropped by the gateway; error names: no gateway to "
-        "answer, around the kill):",
+        "still open after the hold / dropped by the gateway; error names: the connection "
+        "failed, around the kill or on an upload the gateway had refused):",
         table(["attack", "outcomes"], outcome_rows),
         "",
         "2xx to an attack that must be refused: "
