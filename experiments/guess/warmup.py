@@ -1,4 +1,4 @@
-"""The "random player" start: a few seconds of supervised warm-up before RL.
+"""The "random player" start: a short supervised warm-up before RL.
 
 The tiny model's weights are random, so it would answer with random tokens and never
 score. RL starts instead from a player that knows the *format* but not the game: it is
@@ -8,6 +8,13 @@ drawn uniformly from the range (independent of the feedback) followed by the end
 token. Since the answers carry no information about the target, the best the model can
 learn is to ignore the feedback and guess uniformly: random play (1 - (7/8)^3 ≈ 0.33 on
 1..8 with 3 turns), which leaves RL the whole strategy to learn.
+
+Before the games, the model learns to *copy* (an induction phase: random token strings
+written twice, loss on the repeat; Olsson et al., 2022), a skill, not a strategy: a
+pretrained model has it, the random tiny one does not, and RL cannot use the range the
+user states without it (NOTES.md: copying is the tiny model's bottleneck). The copying is
+rehearsed through the game phase, which would otherwise erase it at once; the games
+still teach nothing but the format and a uniform guess.
 
 The loss is on assistant tokens only (the reply and its end-of-turn token). The replies
 are tokenized with BPE-dropout (Provilkov et al., 2020: while encoding, each applicable
@@ -27,7 +34,7 @@ import json
 import random
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +51,13 @@ LR = 5e-3
 # The probability of skipping each merge in a reply. 0.1 leaves ~11% of the training
 # replies noncanonical, and the warmed model samples about as many (README).
 DROPOUT = 0.1
+# The copying phase first (NOTES.md: exact copying is the tiny model's bottleneck; an
+# induction phase of random strings repeated once lifted a copy task from 30% to 90%).
+# It teaches no game: the strings are random tokens, never a chat.
+INDUCTION_STEPS = 300
+INDUCTION_LR = 3e-3
+INDUCTION_BATCH = 16
+INDUCTION_LENGTH = 16
 
 # An assistant turn: its content and its end-of-turn token, the tokens the model learns.
 _ASSISTANT = re.compile(r"<\|im_start\|>assistant\n(.*?)(<\|im_end\|>)", re.DOTALL)
@@ -215,6 +229,63 @@ def _assistant_loss(
     return torch.nn.functional.cross_entropy(logits.float(), targets[keep])
 
 
+def induction_batch(
+    rng: random.Random, tokens: Sequence[int], size: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``size`` rows of ``length`` random tokens written twice, the labels on the repeat
+    (its first token excepted: nothing before it says what it is). Predicting the repeat
+    needs an induction head: look back for the current token, copy the one after it."""
+    rows = []
+    for _ in range(size):
+        string = [rng.choice(tokens) for _ in range(length)]
+        rows.append(string + string)
+    ids = torch.tensor(rows)
+    labels = ids.clone()
+    labels[:, : length + 1] = _IGNORE
+    return ids, torch.ones_like(ids), labels
+
+
+def ordinary_tokens(tokenizer: Any) -> list[int]:
+    """Every token id but the special ones."""
+    special = set(tokenizer.all_special_ids)
+    return [i for i in range(len(tokenizer)) if i not in special]
+
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _train(
+    model: torch.nn.Module, batches: Sequence[Callable[[], Batch]], steps: int, lr: float
+) -> list[float]:
+    """``steps`` AdamW updates on the sum of the losses of one batch of each of
+    ``batches`` (a warm-up ramp over the first tenth, then a linear decay to 0, so the
+    end settles instead of chasing the last batches); the first loss of each step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    ramp = max(1, steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min((step + 1) / ramp, (steps - step) / (steps - ramp + 1))
+    )
+    device = next(model.parameters()).device
+    losses: list[float] = []
+    model.train()
+    try:
+        for _ in range(steps):
+            parts = [
+                _assistant_loss(model, *(tensor.to(device) for tensor in batch()))
+                for batch in batches
+            ]
+            optimizer.zero_grad(set_to_none=True)
+            sum(parts).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            losses.append(float(parts[0].detach()))
+    finally:
+        optimizer.zero_grad(set_to_none=True)  # the trainer starts from clean gradients
+        model.eval()
+    return losses
+
+
 def warm_up(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -227,10 +298,19 @@ def warm_up(
     high: int = 8,
     max_turns: int = 3,
     dropout: float = DROPOUT,
+    induction_steps: int = INDUCTION_STEPS,
+    induction_lr: float = INDUCTION_LR,
     target_weights: Sequence[float] | None = None,
 ) -> dict[str, float]:
-    """Train ``model`` in place into a random player; answers ``loss`` (mean of the last
-    10 steps, per assistant token), ``first_loss`` and ``seconds``.
+    """Train ``model`` in place into a random player that can copy; answers ``loss``
+    (mean of the last 10 steps, per assistant token), ``first_loss``, ``induction_loss``
+    (with ``induction_steps``) and ``seconds``.
+
+    First ``induction_steps`` of random token strings written twice (loss on the repeat):
+    the tiny model learns to copy, which a pretrained model can and a random one cannot,
+    and without which it reads the feedback only after hundreds of RL steps, if at all
+    (README). The strings are not chats and carry no game. Then ``steps`` of games, the
+    copying rehearsed alongside (the games alone would overwrite it within a few steps).
 
     Fresh games every step, their replies segmented with BPE-dropout ``dropout``
     (deterministic in ``seed``), AdamW with a linear decay to 0
@@ -244,33 +324,31 @@ def warm_up(
     if steps < 1 or batch_size < 1 or not low <= high or max_turns < 1:
         raise ValueError("warm_up needs steps, batch_size, max_turns >= 1 and low <= high")
     start = time.perf_counter()
+    metrics: dict[str, float] = {}
+    rehearsal: list[Callable[[], Batch]] = []
+    if induction_steps > 0:
+        copy_rng = random.Random(f"guess-warmup-induction:{seed}")
+        tokens = ordinary_tokens(tokenizer)
+
+        def copying() -> Batch:
+            return induction_batch(copy_rng, tokens, INDUCTION_BATCH, INDUCTION_LENGTH)
+
+        copy_losses = _train(model, [copying], induction_steps, induction_lr)
+        metrics["induction_loss"] = sum(copy_losses[-10:]) / len(copy_losses[-10:])
+        # Rehearsed through the game phase, which would otherwise overwrite it at once.
+        rehearsal.append(copying)
     rng = random.Random(f"guess-warmup:{seed}")
     targets = _Deck(rng, low, high)
     turns = [_Deck(rng, low, high) for _ in range(max_turns)]
     segment = DropoutBPE(tokenizer, dropout, random.Random(f"guess-warmup-dropout:{seed}"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    ramp = max(1, steps // 10)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min((step + 1) / ramp, (steps - step) / (steps - ramp + 1))
-    )
-    device = next(model.parameters()).device
-    losses: list[float] = []
-    model.train()
-    try:
-        for _ in range(steps):
-            batch = _batch(tokenizer, segment, targets, turns, batch_size, low, high)
-            loss = _assistant_loss(model, *(tensor.to(device) for tensor in batch))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            losses.append(float(loss.detach()))
-    finally:
-        optimizer.zero_grad(set_to_none=True)  # the trainer starts from clean gradients
-        model.eval()
+
+    def games() -> Batch:
+        return _batch(tokenizer, segment, targets, turns, batch_size, low, high)
+
+    losses = _train(model, [games, *rehearsal], steps, lr)
     tail = losses[-10:]
     return {
+        **metrics,
         "loss": sum(tail) / len(tail),
         "first_loss": losses[0],
         "seconds": time.perf_counter() - start,
