@@ -29,6 +29,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic_core import from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -505,6 +506,10 @@ class FastLane:
             response = await handler(Request(scope, receive))
         except ApiError as error:
             response = error.response()
+        except ClientDisconnect:
+            # The client went away mid-body: no one to answer, nothing was done.
+            log.info("client left during its request body on %s", scope["path"])
+            return
         except Exception:
             log.exception("unhandled error on %s", scope["path"])
             response = error_response(500, INTERNAL_ERROR)
