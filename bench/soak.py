@@ -295,8 +295,18 @@ def refused(attacks: dict[str, dict[str, int]]) -> dict[str, int]:
     }
 
 
+# The gateway's deliberate "busy" answer: request bodies in flight past max_buffered_mb.
+BUSY = {"oversized_body": "503"}
+
+
 def server_errors(attacks: dict[str, dict[str, int]]) -> int:
-    return sum(n for o in attacks.values() for s, n in o.items() if s.startswith("5"))
+    """5xx answers to attacks, the bodies-in-flight budget's deliberate 503 aside."""
+    return sum(
+        n
+        for attack, outcomes in attacks.items()
+        for status, n in outcomes.items()
+        if status.startswith("5") and BUSY.get(attack) != status
+    )
 
 
 def audit_lines(r: dict[str, Any]) -> list[str]:
@@ -364,7 +374,7 @@ def comparison(quiet: dict[str, Any], hostile: dict[str, Any]) -> list[str]:
         "",
         "2xx to an attack that must be refused: "
         + ", ".join(f"{kind} {n}" for kind, n in wrongly.items())
-        + f"; 5xx to any attack: {server_errors(attacks)}",
+        + f"; 5xx to any attack (the bodies budget's 503 aside): {server_errors(attacks)}",
     ]
 
 
