@@ -63,20 +63,22 @@ ENV_INPUT = "AGL_INPUT"
 ENV_REPORT_FD = "AGL_REPORT_FD"
 ENV_REPORT_KEY = "AGL_REPORT_KEY"
 
-# (rollout id, attempt) -> report key, for the attempts this process runs: filled by the
-# wrapper (the worker, agl.agent) or by the first read of AGL_REPORT_FD.
-_report_keys: dict[tuple[str, int], str] = {}
+# (rollout id, attempt as the environment spells it) -> report key, for the attempts this
+# process runs: filled by the wrapper (the worker, agl.agent) or by the first read of
+# AGL_REPORT_FD. Keyed by the variables' text, so no wrapper parses them twice.
+_report_keys: dict[tuple[str, str], str] = {}
 
 
 @contextlib.contextmanager
-def holding_report_key(rollout_id: str, attempt: int, key: str) -> Iterator[None]:
+def holding_report_key(rollout_id: str, attempt: int | str, key: str) -> Iterator[None]:
     """Make ``key`` the report key ``AgentContext.from_env`` finds for this attempt while
     the block runs (the wrapper around one attempt's harness)."""
-    _report_keys[(rollout_id, attempt)] = key
+    scope = (rollout_id, str(attempt))
+    _report_keys[scope] = key
     try:
         yield
     finally:
-        _report_keys.pop((rollout_id, attempt), None)
+        _report_keys.pop(scope, None)
 
 
 @contextlib.contextmanager
@@ -95,8 +97,9 @@ def report_pipe(key: str) -> Iterator[int]:
         os.close(read_fd)
 
 
-def _report_key_from(env: Mapping[str, str], rollout_id: str, attempt: int) -> str:
-    held = _report_keys.get((rollout_id, attempt))
+def _report_key_from(env: Mapping[str, str]) -> str:
+    scope = (env.get(ENV_ROLLOUT, ""), env.get(ENV_ATTEMPT, ""))
+    held = _report_keys.get(scope)
     if held is not None or ENV_REPORT_FD not in env:
         return held or env.get(ENV_REPORT_KEY, "")
     try:
@@ -105,7 +108,7 @@ def _report_key_from(env: Mapping[str, str], rollout_id: str, attempt: int) -> s
             key = pipe.read().decode().strip()
     except (ValueError, OSError) as error:
         raise AgentEnvError(f"cannot read the report key from {ENV_REPORT_FD}: {error}") from None
-    _report_keys[(rollout_id, attempt)] = key
+    _report_keys[scope] = key
     return key
 
 
@@ -176,7 +179,7 @@ class AgentContext:
             model=env.get(ENV_MODEL, ""),
             api_key=env[ENV_API_KEY],
             input=data,
-            report_key=_report_key_from(env, env[ENV_ROLLOUT], attempt),
+            report_key=_report_key_from(env),
         )
 
     def client(self, http: httpx.AsyncClient | None = None) -> AsyncGatewayClient:

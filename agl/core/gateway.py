@@ -613,9 +613,10 @@ class Gateway:
 
     def rollout_json(self, rollout: Rollout, admin: bool) -> dict[str, Any]:
         record = vars(rollout).copy()
-        keys = admin and (rollout.rollout_id, rollout.attempt)
-        record["attempt_key"] = self.keyring.attempt_key(*keys) if keys else None
-        record["report_key"] = self.keyring.report_key(*keys) if keys else None
+        record["attempt_key"] = record["report_key"] = None
+        if admin:
+            record["attempt_key"] = self.keyring.attempt_key(rollout.rollout_id, rollout.attempt)
+            record["report_key"] = self.keyring.report_key(rollout.rollout_id, rollout.attempt)
         return record
 
     async def rollout(self, rollout_id: str) -> Rollout:

@@ -124,7 +124,7 @@ async def run_attempt(
     raises itself is reported as the exception it is."""
     deadline = asyncio.timeout(timeout_s)
     held = (
-        holding_report_key(env.get(ENV_ROLLOUT, ""), _attempt_of(env), report_key)
+        holding_report_key(env.get(ENV_ROLLOUT, ""), env.get(ENV_ATTEMPT, ""), report_key)
         if report_key
         else contextlib.nullcontext()
     )
@@ -223,13 +223,6 @@ async def _main(spec: str, concurrency: int, fd_in: int, fd_out: int) -> int:
         await _HTTP.aclose()
         _HTTP = None
     return 0
-
-
-def _attempt_of(env: Mapping[str, str]) -> int:
-    try:
-        return int(env.get(ENV_ATTEMPT, ""))
-    except ValueError:
-        return -1  # from_env refuses it with its own message
 
 
 def _private_pipes() -> tuple[int, int]:
