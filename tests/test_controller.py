@@ -104,15 +104,17 @@ async def _started(task: asyncio.Task[None], ex: LocalExecutor) -> bool:
     return ex.free_slots > 0
 
 
-async def group_final(client: AsyncGatewayClient, group: str, n: int) -> list[Rollout]:
-    """The group's rollouts once all ``n`` are final (waits)."""
+async def group_final(
+    client: AsyncGatewayClient, group: str, n: int, timeout_s: float = 30.0
+) -> list[Rollout]:
+    """The group's rollouts once all ``n`` are final (waits up to ``timeout_s``)."""
     out: list[Rollout] = []
 
     async def check() -> bool:
         out[:] = await client.list_rollouts(group_id=group)
         return len(out) == n and all(map(final, out))
 
-    await wait_until(check)
+    await wait_until(check, timeout_s)
     return sorted(out, key=lambda r: int(r.rollout_id.rsplit("-", 1)[1]))
 
 
