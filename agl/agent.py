@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import ctypes
 import json
+import logging
 import math
 import os
 import sys
@@ -50,6 +51,8 @@ import httpx
 from agl.core.client import AsyncGatewayClient, proxy_base_url
 from agl.core.records import EventIn, Status
 
+log = logging.getLogger(__name__)
+
 ENV_BASE_URL = "OPENAI_BASE_URL"
 ENV_API_KEY = "OPENAI_API_KEY"
 ENV_MODEL = "AGL_MODEL"
@@ -62,6 +65,10 @@ ENV_INPUT = "AGL_INPUT"
 # command harness; read once, then closed) or a variable that agl.agent removes at start.
 ENV_REPORT_FD = "AGL_REPORT_FD"
 ENV_REPORT_KEY = "AGL_REPORT_KEY"
+# A task with a grader (agl/grading.py): the attempt's own folder, and "1" to say that the
+# grader, not the harness, reports (the harness holds no report key).
+ENV_WORKSPACE = "AGL_WORKSPACE"
+ENV_GRADED = "AGL_GRADED"
 
 # (rollout id, attempt as the environment spells it) -> report key, for the attempts this
 # process runs: filled by the wrapper (the worker, agl.agent) or by the first read of
@@ -138,6 +145,8 @@ class AgentContext:
     # The report key (events, the attempt's end); the model key where none is held, which
     # the gateway refuses for reporting.
     report_key: str = ""
+    # The task's grader reports this attempt (agl/grading.py): ``finish`` posts nothing.
+    graded: bool = False
 
     @property
     def base_url(self) -> str:
@@ -180,6 +189,7 @@ class AgentContext:
             api_key=env[ENV_API_KEY],
             input=data,
             report_key=_report_key_from(env),
+            graded=env.get(ENV_GRADED) == "1",
         )
 
     def client(self, http: httpx.AsyncClient | None = None) -> AsyncGatewayClient:
@@ -202,7 +212,13 @@ class AgentContext:
         ``{"value": reward, "metrics": {...}}``: what the rollout did besides its reward
         (the trainer reports their means). Non-finite values are left out (a metric
         undefined for this rollout has no value), and so is the key when none is left;
-        without a reward there is no event to carry them."""
+        without a reward there is no event to carry them.
+
+        In a graded attempt (``graded``) it posts nothing: the task's grader reports once
+        the harness has exited, so a harness runs unchanged with or without one."""
+        if self.graded:
+            log.info("rollout %s: graded by its task's grader; not reporting", self.rollout_id)
+            return
         gateway = self.client(http)
         try:
             if reward is not None:
@@ -211,7 +227,7 @@ class AgentContext:
                 if finite:
                     data["metrics"] = finite
                 event = EventIn(
-                    event_id=_event_id(self.rollout_id, self.attempt, "reward"),
+                    event_id=event_id(self.rollout_id, self.attempt, "reward"),
                     type="reward",
                     data=data,
                 )
@@ -228,7 +244,7 @@ def _finite(metrics: Mapping[str, float]) -> dict[str, float]:
     return {name: value for name, value in values.items() if math.isfinite(value)}
 
 
-def _event_id(rollout_id: str, attempt: int, name: str) -> str:
+def event_id(rollout_id: str, attempt: int, name: str) -> str:
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"agl:{rollout_id}:{attempt}:{name}"))
 
 

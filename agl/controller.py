@@ -47,6 +47,7 @@ class ControllerConfig:
     egress_allow: str = ""  # comma-separated CIDRs agents may reach besides the gateway
     # local
     harness: str = ""  # module:function | command:...
+    grader: str = ""  # module:function posting each attempt's reward (agl/grading.py)
     workers: int = 2
     concurrency: int = 64
     run_dir: str = "runs/controller"
@@ -91,6 +92,7 @@ def build_executor(config: ControllerConfig) -> Executor:
         settings,
         harness=config.harness,
         run_dir=Path(config.run_dir),
+        grader=config.grader or None,
         agent_gateway_url=config.agent_gateway_url or config.gateway_url,
     )
 

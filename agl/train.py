@@ -156,7 +156,13 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
         if close_policy := getattr(policy, "close", None):
             stack.callback(close_policy)  # verl's workers (and a Ray it started)
         agent_gateway_url = cfg.controller.get("agent_gateway_url") or gateway.url
-        executor = _executor(options["controller"], cfg.task.harness, run_dir, agent_gateway_url)
+        executor = _executor(
+            options["controller"],
+            cfg.task.harness,
+            run_dir,
+            agent_gateway_url,
+            cfg.task.get("grader"),
+        )
         http = fast_http_client(64)
         client = AsyncGatewayClient(gateway.url, gateway.token, timeout_s=120.0, http=http)
         await client.delete_models(loaded.name)  # endpoints of an earlier run in this folder
@@ -332,7 +338,11 @@ def _serve(
 
 
 def _executor(
-    options: dict[str, Any], harness: str, run_dir: Path, agent_gateway_url: str
+    options: dict[str, Any],
+    harness: str,
+    run_dir: Path,
+    agent_gateway_url: str,
+    grader: str | None = None,
 ) -> Executor:
     """The executor ``controller=...`` names; UserError (one line) if it cannot be had."""
     from agl.backends.execution import make_executor
@@ -351,6 +361,7 @@ def _executor(
             agent_gateway_url=agent_gateway_url,
             extra_pythonpath=[str(ROOT)],
             base_dir=ROOT,
+            grader=grader,
         )
     except ValueError as error:
         raise UserError(f"controller={options['name']}: {error}") from None

@@ -31,6 +31,10 @@ CASES = [
     (Status.FAILED, ORPHANED, False, [], Cause.EXECUTOR),
     (Status.FAILED, STOPPED, False, [], Cause.EXECUTOR),
     (Status.FAILED, "APIConnectionError: Connection error.", False, [], Cause.GATEWAY),
+    # A graded task's grader raised on what the agent left, whatever it raised.
+    (Status.FAILED, "grader raised: IsADirectoryError: x", False, [], Cause.GRADER),
+    (Status.FAILED, "grader raised: ConnectError: refused", False, [], Cause.GRADER),
+    (Status.FAILED, "cannot report the grade: ConnectError: x", False, [], Cause.GATEWAY),
     # The harness raised because its model call failed at the endpoint: not its fault.
     (Status.FAILED, "model call refused: 502", False, [{"status": 502}], Cause.UPSTREAM),
     # A 400 the harness provoked is its own doing.

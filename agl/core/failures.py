@@ -25,6 +25,9 @@ class Cause(StrEnum):
     HARNESS_ERROR = "harness_error"  # the harness raised or exited non-zero
     NO_REWARD = "no_reward"  # it ended without reporting a reward (or a status)
     TIMEOUT = "timeout"  # the attempt ran past its deadline
+    # The task's grader raised on what the agent left (agl/grading.py): the agent's, so
+    # that breaking what the grader reads never escapes a zero.
+    GRADER = "grader"
     EXECUTOR = "executor"  # the worker / pod running it died, was lost or stopped
     UPSTREAM = "upstream"  # a model call failed at the inference endpoint
     GATEWAY = "gateway"  # the agent could not reach the gateway
@@ -34,7 +37,7 @@ class Cause(StrEnum):
         return self in _AGENT
 
 
-_AGENT = frozenset({Cause.HARNESS_ERROR, Cause.NO_REWARD, Cause.TIMEOUT})
+_AGENT = frozenset({Cause.HARNESS_ERROR, Cause.NO_REWARD, Cause.TIMEOUT, Cause.GRADER})
 
 # Error texts the execution side writes (agl.core.controller, agl.backends.execution,
 # agl.core.gateway, agl.core.trainer), by the cause they name.
@@ -48,6 +51,7 @@ _EXECUTOR_PREFIXES = (
     "controller stopped",  # controller.STOPPED
     "interrupted:",  # the trainer restarted
 )
+GRADER_RAISED = "grader raised"  # how agl/grading.py's attempts fail when their grader raises
 _TIMEOUT_PREFIXES = ("timed out after", "attempt timed out", "Job failed (DeadlineExceeded)")
 _NO_STATUS = "agent exited without reporting a status"
 # Exceptions a harness raises when the gateway is not there to answer (openai, httpx).
@@ -79,6 +83,8 @@ def failure_cause(
     text = (error or "").strip()
     if text.startswith(_EXECUTOR_PREFIXES):
         return Cause.EXECUTOR
+    if text.startswith(GRADER_RAISED):  # whatever it raised, even a connection error
+        return Cause.GRADER
     if any(_is_endpoint_error(d) for d in failed_calls):
         return Cause.UPSTREAM
     if any(name in text for name in _UNREACHABLE):

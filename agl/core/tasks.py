@@ -39,6 +39,8 @@ class TaskConfig:
     train_inputs: str
     val_inputs: str
     warmup: str | None = None
+    # Rewards from what the agent left, posted by the controller (agl/grading.py).
+    grader: str | None = None
     warmup_options: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)

@@ -19,12 +19,19 @@ def make_executor(
     agent_gateway_url: str,
     extra_pythonpath: Sequence[str] = (),
     base_dir: Path | None = None,
+    grader: str | None = None,
 ) -> Executor:
     """The executor ``kind`` names, ``settings`` being fields of its config; ValueError
-    (one line) when they are wrong or the ``k8s`` extra is not installed."""
+    (one line) when they are wrong or the ``k8s`` extra is not installed. ``grader``: the
+    task's (agl/grading.py), local only."""
     # Imported here: the Kubernetes client is an optional extra.
     try:
         if kind == "k8s":
+            if grader:
+                raise ValueError(
+                    "a task with a grader runs on the local controller only (a Job's "
+                    "workspace lives in its pod)"
+                )
             try:
                 from agl.backends.execution.k8s import K8sExecutor, K8sExecutorConfig
             except ImportError as error:
@@ -41,6 +48,7 @@ def make_executor(
                     harness=harness,
                     run_dir=run_dir,
                     extra_pythonpath=list(extra_pythonpath),
+                    grader=grader,
                     **settings,
                 )
             )

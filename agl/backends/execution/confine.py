@@ -8,7 +8,9 @@ sets any reward. ``confined(command, hidden)`` wraps an agent's command so that 
 - in its own **PID namespace** (``unshare --pid --mount-proc``): ``/proc`` lists only the
   agent's own processes, so no other process's environment, memory or namespaces;
 - in its own **mount namespace**, each ``hidden`` folder (the run folder) under an empty
-  tmpfs no one may enter;
+  tmpfs no one may enter, except the ``kept`` folders inside it (an attempt's own
+  workspace, agl/grading.py), mounted back where they were: the tmpfs and the folders
+  on the way may then be passed through but not listed;
 - with **every capability dropped** and ``no_new_privs`` (``setpriv``): even uid 0 cannot
   unmount the tmpfs, mount anything, trace a process or regain a privilege through a
   setuid program.
@@ -19,10 +21,11 @@ loopback (a NetworkPolicy is the Kubernetes executor's answer to egress). The ha
 inherits its pipes and file descriptors as before, so workers, logs and the report-key
 pipe work unchanged; process-group signals reach it from outside the namespace.
 
-``python -m agl.backends.execution.confine --hide DIR ... -- COMMAND ...`` is the
-namespace's first process: it mounts the tmpfs, runs ``COMMAND`` under ``setpriv`` as its
-child (the first process of a PID namespace ignores signals it does not handle, and reaps
-orphans), and exits with the command's status (128 + N for a signal N).
+``python -m agl.backends.execution.confine --hide=DIR ... --keep=DIR ... -- COMMAND ...``
+is the namespace's first process: it mounts the tmpfs (and the kept folders), runs
+``COMMAND`` under ``setpriv`` as its child (the first process of a PID namespace ignores
+signals it does not handle, and reaps orphans), and exits with the command's status
+(128 + N for a signal N).
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-# An empty, tiny filesystem with mode 000: listing or entering it is refused.
-_TMPFS_OPTIONS = "size=4k,mode=000"
+# An empty, tiny filesystem with mode 000: listing or entering it is refused. Over a
+# kept folder's path, 0111: passing through works, listing does not (no capabilities,
+# so not even root may read a folder without its r bit).
+_SEALED = 0o000
+_PASSAGE = 0o111
 _DROP = ("--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all")
 
 
@@ -57,10 +63,14 @@ def _unshare() -> list[str]:
     ]
 
 
-def confined(command: Sequence[str], hidden: Sequence[Path]) -> list[str]:
-    """``command`` (an argv) run confined, with ``hidden`` folders out of its sight."""
-    hide = [f"--hide={Path(d).resolve()}" for d in hidden]
-    return [*_unshare(), sys.executable, "-m", __name__, *hide, "--", *command]
+def confined(
+    command: Sequence[str], hidden: Sequence[Path], kept: Sequence[Path] = ()
+) -> list[str]:
+    """``command`` (an argv) run confined, with ``hidden`` folders out of its sight but for
+    the ``kept`` folders inside them."""
+    options = [f"--hide={Path(d).resolve()}" for d in hidden]
+    options += [f"--keep={Path(d).resolve()}" for d in kept]
+    return [*_unshare(), sys.executable, "-m", __name__, *options, "--", *command]
 
 
 @functools.cache
@@ -79,27 +89,55 @@ def unavailable() -> str | None:
     return None
 
 
-def _hide(folder: str) -> None:
+def _hide(folder: str, kept: Sequence[str]) -> None:
+    """A tmpfs over ``folder``; each of ``kept`` (folders inside it) bound back in place."""
     if not os.path.isdir(folder):
         return  # nothing there to hide yet; nothing made later is visible either way
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", _TMPFS_OPTIONS, "agl-hidden", folder],
-        check=True,
-        stdin=subprocess.DEVNULL,
-    )
+    inside = [k for k in kept if os.path.commonpath([folder, k]) == folder and k != folder]
+    # Opened before the tmpfs covers them; a mount from the descriptor finds them after.
+    handles = {k: os.open(k, os.O_PATH | os.O_DIRECTORY) for k in inside}
+    try:
+        mode = _PASSAGE if inside else _SEALED
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size=4k,mode={mode:o}", "agl-hidden", folder],
+            check=True,
+            stdin=subprocess.DEVNULL,
+        )
+        for path, fd in handles.items():
+            os.makedirs(path)
+            relative = Path(os.path.relpath(path, folder))
+            for parent in relative.parents[:-1]:  # the folders on the way, not the tmpfs
+                os.chmod(Path(folder) / parent, _PASSAGE)
+            # --no-canonicalize: resolved, /proc/self/fd/N would name the covered path.
+            subprocess.run(
+                ["mount", "--no-canonicalize", "--bind", f"/proc/self/fd/{fd}", path],
+                check=True,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(fd,),
+            )
+    finally:
+        for fd in handles.values():
+            os.close(fd)
+
+
+_USAGE = (
+    "usage: python -m agl.backends.execution.confine [--hide=DIR ...] [--keep=DIR ...] -- COMMAND"
+)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if "--" not in args:
-        sys.exit("usage: python -m agl.backends.execution.confine [--hide=DIR ...] -- COMMAND")
+        sys.exit(_USAGE)
     split = args.index("--")
     options, command = args[:split], args[split + 1 :]
-    if not command or any(not o.startswith("--hide=") for o in options):
-        sys.exit("usage: python -m agl.backends.execution.confine [--hide=DIR ...] -- COMMAND")
+    if not command or any(not o.startswith(("--hide=", "--keep=")) for o in options):
+        sys.exit(_USAGE)
+    hidden = [o.removeprefix("--hide=") for o in options if o.startswith("--hide=")]
+    kept = [o.removeprefix("--keep=") for o in options if o.startswith("--keep=")]
     try:
-        for option in options:
-            _hide(option.removeprefix("--hide="))
+        for folder in hidden:
+            _hide(folder, kept)
     except (OSError, subprocess.CalledProcessError) as error:
         sys.exit(f"agl confine: cannot hide the run's folders: {error}")
     # Signals sent to the group reach the command itself; this first process only waits

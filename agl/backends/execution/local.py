@@ -13,6 +13,11 @@ Two kinds of harness, chosen by the harness string:
   that does not exec its last command reports a signal death as exit code 128+N:
   write ``command:exec ...`` to see "killed by signal NAME".
 
+With a ``grader`` (``module:function``, agl/grading.py; command harnesses only), each
+attempt runs in a workspace of its own (``run_dir/workspaces/<rollout_id>.<attempt>``,
+its ``AGL_WORKSPACE`` and working folder, removed when the attempt ends) without a report
+key, and the grader's verdict on that workspace, posted from here, is its reward.
+
 ``extra_pythonpath`` is prepended to ``PYTHONPATH`` for both kinds. With ``confine``, both
 kinds run in their own PID and mount namespaces without capabilities, ``run_dir`` (the
 gateway's store and admin token, when the gateway's folder is in it) and ``hide`` out of
@@ -31,19 +36,23 @@ import contextlib
 import functools
 import logging
 import os
+import shutil
 import signal
 import sys
-from dataclasses import dataclass, field
+import traceback
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from agl.agent import ENV_REPORT_FD, report_pipe
+from agl.agent import ENV_GRADED, ENV_REPORT_FD, ENV_WORKSPACE, AgentContext, report_pipe
 from agl.backends.execution.confine import confined, unavailable
-from agl.backends.execution.worker import READ_LIMIT, split_harness
+from agl.backends.execution.worker import READ_LIMIT, one_line, split_harness
 from agl.core.controller import ORPHANED, Exit, Key, Launch
+from agl.core.failures import GRADER_RAISED
 from agl.core.services import die_with_parent
+from agl.grading import Grader, GradeRequest, as_grade, load_grader, post_grade
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +74,24 @@ class LocalExecutorConfig:
     # (when this machine allows it; else a warning and unconfined).
     confine: bool | str = False
     hide: list[str] = field(default_factory=list)
+    # The task's grader (agl/grading.py), which posts each attempt's reward from here.
+    grader: str | None = None
 
     def __post_init__(self) -> None:
         if self.confine not in (True, False, "auto"):
             raise ValueError(f"confine must be true, false or auto, not {self.confine!r}")
+        if self.grader and not self.harness.startswith("command:"):
+            raise ValueError(
+                f"a grader needs a command: harness (one process per attempt, each with a "
+                f"workspace of its own), not {self.harness!r}"
+            )
 
-    def wrap(self, argv: list[str]) -> list[str]:
-        """``argv`` as the agent's process runs it: confined or as it is."""
+    def wrap(self, argv: list[str], kept: list[Path] | None = None) -> list[str]:
+        """``argv`` as the agent's process runs it: confined (``kept``: folders inside the
+        hidden ones that stay in sight) or as it is."""
         if not self.confining:
             return argv
-        return confined(argv, [Path(self.run_dir), *map(Path, self.hide)])
+        return confined(argv, [Path(self.run_dir), *map(Path, self.hide)], kept or [])
 
     @property
     def confining(self) -> bool:
@@ -419,8 +436,10 @@ class _CommandRunner:
     def __init__(self, config: LocalExecutorConfig, command: str) -> None:
         self.config = config
         self.command = command
+        self.grader: Grader | None = load_grader(config.grader) if config.grader else None
         self.attempt_dir = Path(config.run_dir) / "attempts"
         self.attempt_dir.mkdir(parents=True, exist_ok=True)
+        self.workspace_dir = Path(config.run_dir) / "workspaces"
         self.env = _base_env(config.extra_pythonpath)
         self.exits: list[Exit] = []
         self.running: dict[tuple[str, int], asyncio.Task[None]] = {}
@@ -455,22 +474,45 @@ class _CommandRunner:
         self.exits.append(Exit(*key, error))
 
     async def _execute(self, launch: Launch, stem: Path) -> str | None:
-        with (
-            open(f"{stem}.out", "wb") as out,
-            open(f"{stem}.err", "wb") as err,
-            report_pipe(launch.report_key) as report_fd,
-        ):
+        if self.grader is None:
+            with report_pipe(launch.report_key) as report_fd:
+                env = {**launch.env, ENV_REPORT_FD: str(report_fd)}
+                process = await self._spawn(launch, stem, env, pass_fds=(report_fd,))
+            return await self._wait(launch, process)
+        workspace = self.workspace_dir / stem.name
+        workspace.mkdir(parents=True, exist_ok=True)
+        try:
+            env = {**launch.env, ENV_WORKSPACE: str(workspace), ENV_GRADED: "1"}
+            process = await self._spawn(launch, stem, env, cwd=workspace)
+            error = await self._wait(launch, process)
+            return error if error is not None else await self._grade(launch, workspace)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, workspace, True)
+
+    async def _spawn(
+        self,
+        launch: Launch,
+        stem: Path,
+        env: dict[str, str],
+        pass_fds: tuple[int, ...] = (),
+        cwd: Path | None = None,
+    ) -> asyncio.subprocess.Process:
+        with open(f"{stem}.out", "wb") as out, open(f"{stem}.err", "wb") as err:
             process = await asyncio.create_subprocess_exec(
-                *self.config.wrap(["/bin/sh", "-c", self.command]),
+                *self.config.wrap(["/bin/sh", "-c", self.command], [cwd] if cwd else None),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
-                env={**self.env, **launch.env, ENV_REPORT_FD: str(report_fd)},
-                pass_fds=(report_fd,),
+                env={**self.env, **env},
+                cwd=cwd,
+                pass_fds=pass_fds,
                 start_new_session=True,
                 preexec_fn=die_with_parent(),
             )
         self.processes[(launch.rollout_id, launch.attempt)] = process
+        return process
+
+    async def _wait(self, launch: Launch, process: asyncio.subprocess.Process) -> str | None:
         try:
             await asyncio.wait_for(process.wait(), launch.timeout_s)
         except TimeoutError:
@@ -481,6 +523,32 @@ class _CommandRunner:
             raise
         _signal_group(process.pid, signal.SIGKILL)  # an attempt's leftovers end with it
         return exit_reason(process.returncode if process.returncode is not None else -1)
+
+    async def _grade(self, launch: Launch, workspace: Path) -> str | None:
+        """Run the grader on what the harness left and post its verdict; None when it is
+        posted, else the attempt's error. The grader gets the attempt's timeout anew."""
+        assert self.grader is not None
+        context = replace(AgentContext.from_env(launch.env), report_key=launch.report_key)
+        request = GradeRequest(launch.rollout_id, launch.attempt, context.input, workspace)
+        try:
+            grade = as_grade(await asyncio.wait_for(self.grader(request), launch.timeout_s))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            timed_out = isinstance(error, TimeoutError)
+            text = f"timed out after {launch.timeout_s:g} s" if timed_out else one_line(error)
+            log.error(
+                "rollout %s attempt %d: the grader raised\n%s",
+                launch.rollout_id,
+                launch.attempt,
+                "".join(traceback.format_exception(error)).rstrip(),
+            )
+            return f"{GRADER_RAISED}: {text}"
+        try:
+            await post_grade(context, grade)
+        except Exception as error:  # the gateway refused or is gone: not the agent's doing
+            return f"cannot report the grade: {one_line(error)}"
+        return None
 
     def take_exits(self) -> list[Exit]:
         exits, self.exits = self.exits, []

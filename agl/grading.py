@@ -1,0 +1,110 @@
+"""Rewards computed outside the agent: a task's *grader*, run on the controller's side.
+
+Some tasks are graded by what the agent left behind, not by what it says: a coding
+agent's reward is whether the task's tests pass on its edited repository. If the harness
+computed that reward, anything the model's tools can reach (its files, its environment,
+the harness's memory) could change it. A grader instead runs in the executor's process,
+after the harness has exited, outside the agent's confinement, and is the only holder of
+the attempt's report key:
+
+- each attempt gets its own **workspace** (``AGL_WORKSPACE``, the command's working
+  folder), the only part of the run's folder a confined agent sees: not the store, not
+  another attempt's workspace;
+- the harness gets **no report key** (``AGL_GRADED=1`` says why): its ``finish()`` posts
+  nothing, and a tool that tries with the model key is refused as ever;
+- when the harness exits 0, the executor calls the grader with the attempt's input and
+  workspace and posts its verdict: the reward event (with the grade's metrics), a
+  ``grade`` event with its details, and the attempt's end (succeeded). A harness that
+  fails or times out is not graded: its failure is the agent's (``agl.core.failures``);
+- a grader that raises fails the attempt as the agent's failure (``grader raised: ...``):
+  an agent must not escape its zero by breaking what the grader reads.
+
+A grader is an ``async def grade(request: GradeRequest) -> Grade | float`` named in the
+task's yaml (``grader: module:function``); blocking work (running tests) goes through
+``asyncio.to_thread`` or a subprocess. It runs with the local executor's command
+harnesses (one process per attempt, so each has a workspace of its own).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agl.agent import AgentContext, event_id
+from agl.core.client import AsyncGatewayClient
+from agl.core.records import EventIn
+from agl.core.tasks import load_callable
+
+GRADE_EVENT = "grade"
+
+
+@dataclass(frozen=True)
+class GradeRequest:
+    """What a grader sees of one attempt."""
+
+    rollout_id: str
+    attempt: int
+    input: Any  # the rollout's input, as the harness got it
+    workspace: Path  # the folder the harness worked in (its AGL_WORKSPACE)
+
+
+@dataclass(frozen=True)
+class Grade:
+    """A grader's verdict: the reward, metrics riding on the reward event (as
+    ``AgentContext.finish`` puts them), and details recorded as a ``grade`` event (e.g.
+    which tests passed)."""
+
+    reward: float
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.reward):
+            raise ValueError(f"a grade's reward must be a finite number, not {self.reward!r}")
+
+
+Grader = Callable[[GradeRequest], Awaitable["Grade | float"]]
+
+
+def load_grader(spec: str) -> Grader:
+    """The grader ``spec`` (``module:function``) names; ValueError (one line) when it is
+    not an async function."""
+    function = load_callable(spec)
+    if not inspect.iscoroutinefunction(function):
+        raise ValueError(
+            f"grader {spec!r} is not an async function "
+            "(want: async def grade(request: GradeRequest) -> Grade | float)"
+        )
+    return function
+
+
+def as_grade(verdict: Grade | float) -> Grade:
+    """A grader's answer as a ``Grade``; ValueError when it is neither a grade nor a
+    number."""
+    if isinstance(verdict, Grade):
+        return verdict
+    if isinstance(verdict, bool) or not isinstance(verdict, int | float):
+        raise ValueError(f"a grader returns a Grade or a number, not {type(verdict).__name__}")
+    return Grade(reward=float(verdict))
+
+
+async def post_grade(context: AgentContext, grade: Grade, http: Any = None) -> None:
+    """Post ``grade`` with ``context``'s report key: its details (a ``grade`` event), then
+    the reward and the attempt's end (``context.finish``). Event ids are derived from the
+    attempt, so a repeated post appends nothing."""
+    if grade.details:
+        gateway = AsyncGatewayClient(context.gateway_url, context.report_key, http=http)
+        try:
+            event = EventIn(
+                event_id=event_id(context.rollout_id, context.attempt, GRADE_EVENT),
+                type=GRADE_EVENT,
+                data=dict(grade.details),
+            )
+            await gateway.post_events(context.rollout_id, context.attempt, [event])
+        finally:
+            await gateway.close()
+    await context.finish(reward=grade.reward, metrics=grade.metrics, http=http)
