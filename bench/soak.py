@@ -83,9 +83,11 @@ class Audit:
     def __init__(self) -> None:
         self.answered: set[str] = set()
         self.rewards_acked: set[str] = set()
-        self.latencies: list[float] = []
+        self.spans: list[tuple[float, float]] = []  # (start, end) of each answered call
         self.retries = 0
         self.given_up = 0
+        # Why the honest agents retried: a 5xx status, or the transport error's name.
+        self.retried: collections.Counter[str] = collections.Counter()
 
 
 async def request(http: httpx.AsyncClient, audit: Audit, method: str, url: str, **kw: Any) -> Any:
@@ -97,8 +99,9 @@ async def request(http: httpx.AsyncClient, audit: Audit, method: str, url: str, 
             response = await http.request(method, url, **kw)
             if response.status_code < 500:
                 return response
-        except httpx.TransportError:
-            pass
+            audit.retried[str(response.status_code)] += 1
+        except httpx.TransportError as error:
+            audit.retried[type(error).__name__] += 1
         audit.retries += 1
         await asyncio.sleep(wait)
         wait = min(wait * 2, 2.0)
@@ -118,7 +121,7 @@ async def agent(
             http, audit, "POST", f"{base}/chat/completions", json=body, headers=_bearer(keys.model)
         )
         if response is not None and response.is_success:
-            audit.latencies.append(time.monotonic() - started)
+            audit.spans.append((started, time.monotonic()))
             audit.answered.add(call_id)
             total[0] += 1
     event = [{"event_id": _reward_id(rid), "type": "reward", "data": {"value": 1.0}}]
@@ -207,10 +210,12 @@ async def soak(settings: Settings, run_dir: Path, upstream: str) -> dict[str, An
         )
         while total[0] < half and not agents.done():
             await asyncio.sleep(0.01)
+        killed_t = time.monotonic()
         gateway.send_signal(signal.SIGKILL)
         gateway.wait()
         killed_at = total[0]
         gateway = await asyncio.to_thread(start_gateway, run_dir, port)
+        ready_t = time.monotonic()
         usage.pids.append(gateway.pid)
         await agents
     wall_s = time.monotonic() - started
@@ -233,7 +238,10 @@ async def soak(settings: Settings, run_dir: Path, upstream: str) -> dict[str, An
     gateway.terminate()
     gateway.wait(30)
     log = (run_dir / "gateway.log").read_text()
-    latencies = sorted(audit.latencies)
+    latencies = sorted(end - start for start, end in audit.spans)
+    # Calls that did not live through the kill and restart: how fast the gateway serves
+    # when it is up, which is what attackers beside the agents can slow down.
+    steady = sorted(end - start for start, end in audit.spans if end < killed_t or start > ready_t)
     return {
         "honest": settings.honest,
         "attackers": settings.attackers,
@@ -248,8 +256,12 @@ async def soak(settings: Settings, run_dir: Path, upstream: str) -> dict[str, An
         "forged_landed": forged,
         "calls_per_s": len(audit.answered) / wall_s,
         "p50_ms": statistics.median(latencies) * 1e3,
-        "p99_ms": latencies[max(int(len(latencies) * 0.99) - 1, 0)] * 1e3,
+        "p99_ms": _p99(latencies) * 1e3,
+        "p50_steady_ms": statistics.median(steady) * 1e3,
+        "p99_steady_ms": _p99(steady) * 1e3,
+        "restart_s": ready_t - killed_t,
         "retries": audit.retries,
+        "retried": dict(audit.retried.most_common()),
         "given_up": audit.given_up,
         "killed_at": killed_at,
         "peak_rss_mb": usage.peak_rss_mb,
@@ -258,6 +270,10 @@ async def soak(settings: Settings, run_dir: Path, upstream: str) -> dict[str, An
         "wall_s": wall_s,
         "attacks": tally.table(),
     }
+
+
+def _p99(ordered: list[float]) -> float:
+    return ordered[max(int(len(ordered) * 0.99) - 1, 0)]
 
 
 @contextlib.contextmanager
@@ -299,6 +315,10 @@ def refused(attacks: dict[str, dict[str, int]]) -> dict[str, int]:
 BUSY = {"oversized_body": "503"}
 
 
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name} x{n}" for name, n in counts.items()) or "none"
+
+
 def server_errors(attacks: dict[str, dict[str, int]]) -> int:
     """5xx answers to attacks, the bodies-in-flight budget's deliberate 503 aside."""
     return sum(
@@ -316,9 +336,12 @@ def audit_lines(r: dict[str, Any]) -> list[str]:
         f"(answered but not recorded: {r['answered_not_recorded']})",
         f"duplicates {r['duplicates']} (answers lost at the kill and replayed to the retry: "
         f"{r['replayed']}), acknowledged events lost {r['events_lost']}",
-        f"latency p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms (as agents saw it, retries "
-        f"included); agent retries {r['retries']}, calls given up {r['given_up']}",
-        f"gateway killed -9 after {r['killed_at']} answered calls; peak gateway RSS "
+        f"latency p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms; gateway up p50 "
+        f"{r['p50_steady_ms']:.0f} ms, p99 {r['p99_steady_ms']:.0f} ms (as agents saw it, retries "
+        f"included); agent retries {r['retries']} ({_counts(r['retried'])}), calls given up "
+        f"{r['given_up']}",
+        f"gateway killed -9 after {r['killed_at']} answered calls, healthy again "
+        f"{r['restart_s']:.1f} s later; peak gateway RSS "
         f"{r['peak_rss_mb']:.0f} MiB; wall {r['wall_s']:.1f} s",
     ]
 
@@ -326,8 +349,11 @@ def audit_lines(r: dict[str, Any]) -> list[str]:
 # The runs' figures side by side, and those whose hostile/quiet ratio the issue targets.
 _ROWS = {
     "calls_per_s": "honest calls/s",
-    "p50_ms": "p50 ms",
-    "p99_ms": "p99 ms",
+    "p50_steady_ms": "p50 ms, gateway up",
+    "p99_steady_ms": "p99 ms, gateway up",
+    "p50_ms": "p50 ms, all calls",
+    "p99_ms": "p99 ms, all calls",
+    "restart_s": "kill to healthy again s",
     "answered": "calls answered",
     "answered_not_recorded": "answered, not recorded",
     "duplicates": "duplicates",
@@ -340,41 +366,55 @@ _ROWS = {
     "attackers_cpu_s": "attackers' process CPU s",
     "wall_s": "wall s",
 }
-_RATIOS = {"calls_per_s", "p99_ms"}
+_RATIOS = {"calls_per_s", "p50_steady_ms", "p99_steady_ms", "p99_ms"}
 
 
 def _figure(value: float) -> str:
     return f"{value:.1f}" if isinstance(value, float) and value < 100 else f"{value:.0f}"
 
 
-def comparison(quiet: dict[str, Any], hostile: dict[str, Any]) -> list[str]:
-    """The two runs side by side, the attacks' outcomes and what must hold."""
+def comparison(quiet: list[dict[str, Any]], hostile: list[dict[str, Any]]) -> list[str]:
+    """The runs side by side (medians over the rounds, each a quiet and a hostile run
+    measured one after the other), the attacks' outcomes and what must hold."""
+    rounds = list(zip(quiet, hostile, strict=True))
+
+    def median(runs: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    def ratios(key: str) -> str:
+        if key not in _RATIOS or not median(quiet, key):
+            return ""
+        each = [h[key] / q[key] for q, h in rounds if q[key]]
+        whole = f"{median(hostile, key) / median(quiet, key):.2f}x"
+        return whole if len(rounds) == 1 else f"{whole} ({', '.join(f'{x:.2f}' for x in each)})"
+
     cells = [
-        [
-            name,
-            _figure(quiet[key]),
-            _figure(hostile[key]),
-            f"{hostile[key] / quiet[key]:.2f}x" if key in _RATIOS and quiet[key] else "",
-        ]
+        [name, _figure(median(quiet, key)), _figure(median(hostile, key)), ratios(key)]
         for key, name in _ROWS.items()
     ]
-    attacks = hostile["attacks"]
+    attacks: dict[str, collections.Counter[str]] = {}
+    for run in hostile:
+        for kind, outcomes in run["attacks"].items():
+            attacks.setdefault(kind, collections.Counter()).update(outcomes)
     outcome_rows = [
         [kind, ", ".join(f"{o} x{n}" for o, n in sorted(outcomes.items()))]
         for kind, outcomes in attacks.items()
     ]
-    wrongly = refused(attacks)
+    table_attacks = {kind: dict(outcomes) for kind, outcomes in attacks.items()}
+    wrongly = refused(table_attacks)
+    per_round = " (each round's ratio in brackets)" if len(rounds) > 1 else ""
     return [
-        table(["", "quiet", "hostile", "hostile/quiet"], cells),
+        table(["", "quiet", "hostile", f"hostile/quiet{per_round}"], cells),
         "",
-        "attack outcomes in the hostile run (status codes; held/closed: a stalled socket "
+        "attack outcomes in the hostile runs (status codes; held/closed: a stalled socket "
         "still open after the hold / dropped by the gateway; error names: the connection "
         "failed, around the kill or on an upload the gateway had refused):",
         table(["attack", "outcomes"], outcome_rows),
         "",
         "2xx to an attack that must be refused: "
         + ", ".join(f"{kind} {n}" for kind, n in wrongly.items())
-        + f"; 5xx to any attack (the bodies budget's 503 aside): {server_errors(attacks)}",
+        + f"; 5xx to any attack (the bodies budget's 503 aside): "
+        f"{server_errors(table_attacks)}",
     ]
 
 
@@ -390,6 +430,9 @@ def main(argv: list[str] | None = None) -> None:
         help="share of the agents that attack; runs quiet, then hostile (0: quiet only)",
     )
     parser.add_argument("--hold-s", type=float, default=5.0, help="a stalled socket's hold")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="hostile: quiet and hostile runs, this many each"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not 0.0 <= args.hostile < 1.0:
@@ -402,20 +445,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     if attackers:
         hostile = Settings(honest.honest, args.calls, attackers, args.hold_s)
-        quiet, loud = measure([honest, hostile], args.fail_rate)
+        runs = measure([honest, hostile] * args.rounds, args.fail_rate)
+        quiet, loud = runs[0::2], runs[1::2]
         lines = [
-            f"# {command} --hostile {args.hostile:g} --hold-s {args.hold_s:g}, "
-            f"{time.strftime('%Y-%m-%d')}, 2 CPU cores (busy with other jobs), one run each",
-            f"{honest.honest} honest agents x {args.calls} calls; the hostile run adds "
-            f"{attackers} attackers (model keys only) beside the same honest agents",
+            f"# {command} --hostile {args.hostile:g} --hold-s {args.hold_s:g} --rounds "
+            f"{args.rounds}, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores",
+            f"{honest.honest} honest agents x {args.calls} calls; each hostile run adds "
+            f"{attackers} attackers (model keys only) beside the same honest agents; "
+            "'gateway up': the calls that neither started nor ended between the kill and the "
+            "restarted gateway's first healthy answer",
             "",
             *comparison(quiet, loud),
-            "",
-            "quiet run:",
-            *audit_lines(quiet),
-            "hostile run:",
-            *audit_lines(loud),
         ]
+        for n, (q, h) in enumerate(zip(quiet, loud, strict=True), 1):
+            lines += ["", f"round {n}, quiet:", *audit_lines(q), f"round {n}, hostile:"]
+            lines += audit_lines(h)
     else:
         [r] = measure([honest], args.fail_rate)
         lines = [f"# {command}, {time.strftime('%Y-%m-%d')}, 2 CPU cores, one run", *audit_lines(r)]

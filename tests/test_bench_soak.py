@@ -28,5 +28,6 @@ def test_a_hostile_soak_loses_nothing_and_refuses_every_forged_reward() -> None:
         assert any(outcome.startswith("4") for outcome in attacks[kind]), (kind, attacks[kind])
     assert refused(attacks) == dict.fromkeys(sorted(MUST_REFUSE), 0), attacks
     assert server_errors(attacks) == 0, attacks
-    report = "\n".join(comparison(quiet, hostile))
+    assert quiet["p99_steady_ms"] > 0 and hostile["restart_s"] > 0
+    report = "\n".join(comparison([quiet], [hostile]))
     assert "hostile/quiet" in report and "reward_model_key" in report
