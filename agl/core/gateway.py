@@ -37,7 +37,7 @@ from agl import ui
 from agl.core.admission import AdmissionGate
 from agl.core.auth import Keyring, Principal, bearer
 from agl.core.cli import check_port
-from agl.core.connections import BodyTimeout
+from agl.core.connections import BodyTimeout, RefusalDelay
 from agl.core.dialects import ANTHROPIC, RESPONSES, Dialect
 from agl.core.errors import ApiError, error_response
 from agl.core.lifecycle import IllegalTransition
@@ -106,7 +106,8 @@ class GatewayConfig:
     ``header_timeout_s`` / ``body_timeout_s``: a request whose headers are not all in
     that long after its first byte (or the connection's opening), or whose body goes that
     long without a byte while the gateway reads it, gets 408 and its connection closed
-    (:mod:`agl.core.connections`).
+    (:mod:`agl.core.connections`). ``refusal_delay_s``: how late a 401, 403, 413 or 429
+    is answered (0: at once), so that refusals cost a client time, not the gateway CPU.
     """
 
     host: str = "127.0.0.1"
@@ -133,6 +134,9 @@ class GatewayConfig:
     ui_session_hours: float = 12.0  # a viewer login lasts this long (then log in again)
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    # A refusal (401, 403, 413, 429) is answered this late (agl/core/connections.py,
+    # RefusalDelay): a client looping on refusals waits instead of taking the CPU.
+    refusal_delay_s: float = 1.0
     # FastAPI's /docs and /redoc: off by default, because they load Swagger UI's and
     # ReDoc's scripts from a CDN onto the gateway's origin. /openapi.json is always served.
     api_docs: bool = False
@@ -142,6 +146,8 @@ class GatewayConfig:
         for name in ("ui_session_hours", "header_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.refusal_delay_s < 0:
+            raise ValueError(f"refusal_delay_s={self.refusal_delay_s} must be 0 (off) or more")
         if self.max_body_mb <= 0:
             raise ValueError(f"max_body_mb={self.max_body_mb} must be positive")
         if self.max_buffered_mb < self.max_body_mb:
@@ -404,6 +410,17 @@ class BodyLimit:
                 await error_response(413, self._message())(scope, receive, send)
                 return
         seen = 0
+        answered = False
+
+        async def released_send(message: Message) -> None:
+            # Answered: what the body held is let go now, not when the app returns (a
+            # refusal's answer may be held back a while: RefusalDelay).
+            nonlocal seen, answered
+            if message["type"] == "http.response.start" and not answered:
+                answered = True
+                self.held -= seen
+                seen = 0
+            await send(message)
 
         async def limited() -> Message:
             nonlocal seen
@@ -419,12 +436,13 @@ class BodyLimit:
                     type="server_busy",
                     headers={"Retry-After": "1"},
                 )
-            seen += size
-            self.held += size
+            if not answered:
+                seen += size
+                self.held += size
             return message
 
         try:
-            await self.app(scope, limited, send)
+            await self.app(scope, limited, released_send)
         finally:
             self.held -= seen
 
@@ -1030,7 +1048,8 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         max_bytes=int(config.max_body_mb * 2**20),
         budget_bytes=int(config.max_buffered_mb * 2**20),
     )
-    return BodyTimeout(limited, timeout_s=config.body_timeout_s)
+    delayed = RefusalDelay(limited, delay_s=config.refusal_delay_s)
+    return BodyTimeout(delayed, timeout_s=config.body_timeout_s)
 
 
 def _admission(gate: AdmissionGate, drained: bool) -> Admission:

@@ -58,8 +58,10 @@ class GatewayProcess:
 def gateway_process(
     run_dir: Path, token: str = "test-admin-token", port: int | None = None, **options: object
 ) -> Iterator[GatewayProcess]:
-    """``python -m agl.gateway`` on a free port; stopped on exit."""
+    """``python -m agl.gateway`` on a free port; stopped on exit. Refusals are answered at
+    once unless ``refusal_delay_s`` says otherwise: tests refuse on purpose, by the hundred."""
     port = port or free_port()
+    options.setdefault("refusal_delay_s", 0)
     args = [f"port={port}", f"run_dir={run_dir}", *(f"{k}={v}" for k, v in options.items())]
     env = {**os.environ, "AGL_ADMIN_TOKEN": token}
     process = subprocess.Popen([sys.executable, "-m", "agl.gateway", *args], env=env)
