@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import math
 import random
+import zlib
 
 import pytest
 import torch
@@ -161,7 +162,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_backend_step_is_the_formula(case: str) -> None:
-    rng = random.Random(hash(case) % 1000)
+    # A stable seed: str hashes change from one process to the next (PYTHONHASHSEED).
+    rng = random.Random(zlib.crc32(case.encode()))
     model = make_model(seed=11)
     config = TorchBackendConfig(
         lr=1e-2, grad_clip=0.0, max_tokens_per_micro_batch=24, **CASES[case]
