@@ -49,8 +49,12 @@ from experiments.guess.harness import (
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = yaml.safe_load((ROOT / "conf/task/guess.yaml").read_text())["options"]
-HOUSE = Setting.of(**OPTIONS)
-UNIFORM = Setting.of(**(OPTIONS | {"target_weights": None}))
+DEFAULT = Setting.of(**OPTIONS)  # the default experiment's game: 2 turns
+DEFAULT_UNIFORM = Setting.of(**(OPTIONS | {"target_weights": None}))
+# The figures checked below are for the 3-turn game (the harder variant), which has more
+# to check: a third guess, a binary search that covers 7 numbers.
+HOUSE = Setting.of(**(OPTIONS | {"max_turns": 3}))
+UNIFORM = Setting.of(**(OPTIONS | {"max_turns": 3, "target_weights": None}))
 F = Fraction
 
 
@@ -58,8 +62,24 @@ F = Fraction
 
 
 def test_the_task_is_the_one_these_figures_are_for() -> None:
-    assert (HOUSE.low, HOUSE.high, HOUSE.max_turns) == (1, 8, 3)
-    assert HOUSE.weights == tuple(F(w) for w in (1, 1, 2, 4, 4, 2, 1, 1))
+    assert (DEFAULT.low, DEFAULT.high, DEFAULT.max_turns) == (1, 8, 2)
+    assert DEFAULT.weights == HOUSE.weights == tuple(F(w) for w in (1, 1, 2, 4, 4, 2, 1, 1))
+
+
+def test_the_default_games_figures_by_hand() -> None:
+    """Two guesses: a blind player covers two numbers, one that reads the answer three
+    (its first guess, then one on each side), so reading the feedback is the only way
+    past the blind baseline: the README's table for the default experiment."""
+    assert best_blind(DEFAULT)[0] == F(8, 16)  # 4 and 5, 4 + 4 of 16
+    assert (4, 5) in best_blind(DEFAULT)[1]
+    assert optimal_reward(DEFAULT) == F(10, 16)  # 4, then 3 after lower, 5 after higher
+    assert best_blind(DEFAULT_UNIFORM)[0] == F(2, 8)
+    assert optimal_reward(DEFAULT_UNIFORM) == F(3, 8)
+    # 4, 5 under the weights: the 2nd guess (5) is in range for 5..8 only, 8 of 12.
+    assert blind_in_range_bound(DEFAULT, F(8, 16)) == F(2, 3)
+    assert blind_in_range_bound(DEFAULT, F(8, 16) + F(1, 1000)) is None
+    for setting in (DEFAULT, DEFAULT_UNIFORM):
+        assert evaluate(uniform_random(setting), setting).reward == 1 - F(7, 8) ** 2
 
 
 def test_figures_that_can_be_checked_by_hand() -> None:
@@ -119,6 +139,10 @@ def test_the_blind_bound() -> None:
 
 def test_the_table_prints(capsys: pytest.CaptureFixture[str]) -> None:
     main([])
+    out = capsys.readouterr().out
+    assert "best blind (4,5)   house      0.5000 (1/2)" in out
+    assert "optimal            uniform    0.3750 (3/8)" in out
+    main(["--max-turns", "3"])
     out = capsys.readouterr().out
     assert "best blind (3,4,5)  house      0.6250 (5/8)" in out
     assert "binary search       uniform    0.8750 (7/8)" in out
