@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from agl.agent import AgentContext, event_id
 from agl.core.client import AsyncGatewayClient
 from agl.core.records import EventIn
@@ -92,7 +94,9 @@ def as_grade(verdict: Grade | float) -> Grade:
     return Grade(reward=float(verdict))
 
 
-async def post_grade(context: AgentContext, grade: Grade, http: Any = None) -> None:
+async def post_grade(
+    context: AgentContext, grade: Grade, http: httpx.AsyncClient | None = None
+) -> None:
     """Post ``grade`` with ``context``'s report key: its details (a ``grade`` event), then
     the reward and the attempt's end (``context.finish``). Event ids are derived from the
     attempt, so a repeated post appends nothing."""
