@@ -18,6 +18,8 @@ the attempt's report key:
   fails or times out is not graded: its failure is the agent's (``agl.core.failures``);
 - a grader that raises fails the attempt as the agent's failure (``grader raised: ...``):
   an agent must not escape its zero by breaking what the grader reads.
+- the workspace is the agent's: a link in it may point anywhere the grader (not the
+  agent) can read, so a grader opens the agent's files through ``GradeRequest.file``.
 
 A grader is an ``async def grade(request: GradeRequest) -> Grade | float`` named in the
 task's yaml (``grader: module:function``); blocking work (running tests) goes through
@@ -52,6 +54,17 @@ class GradeRequest:
     attempt: int
     input: Any  # the rollout's input, as the harness got it
     workspace: Path  # the folder the harness worked in (its AGL_WORKSPACE)
+
+    def file(self, name: str) -> Path:
+        """``name`` in the workspace, links resolved; ValueError when it leads out of it.
+        The grader runs outside the agent's confinement, so a link the agent planted
+        (to another attempt's workspace, the store) would make it read what the agent
+        cannot: read the agent's files through this."""
+        root = self.workspace.resolve()
+        path = (root / name).resolve()
+        if not path.is_relative_to(root):
+            raise ValueError(f"{name!r} leads out of the attempt's workspace")
+        return path
 
 
 @dataclass(frozen=True)

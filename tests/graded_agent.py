@@ -12,7 +12,7 @@ its input's ``role``:
   the run's folder (the store, the admin token), list the workspaces, overwrite the
   honest agent's answer, post a reward of 1.0 and end its attempt as succeeded with its
   model key, report through ``AgentContext.finish``, and last make its own ``answer.txt``
-  a folder, so that the grader raises.
+  a link to the honest answer, which the grader (outside the confinement) could read.
 
 Each agent prints one JSON line: what each try got.
 """
@@ -69,7 +69,7 @@ def _hostile(agent: AgentContext, workspace: Path, spec: dict[str, Any]) -> dict
         "patch_status": str(status.status_code),
     }
     asyncio.run(agent.finish(reward=1.0))
-    (workspace / "answer.txt").mkdir()
+    (workspace / "answer.txt").symlink_to(victim)
     return tried
 
 
@@ -96,7 +96,7 @@ def main() -> None:
 
 
 async def grade(request: GradeRequest) -> Grade:
-    answer = (request.workspace / "answer.txt").read_text()  # a folder here raises
+    answer = request.file("answer.txt").read_text()  # a link out of it raises
     return Grade(
         reward=1.0 if answer == request.input["answer"] else 0.0,
         metrics={"answer_chars": float(len(answer))},

@@ -62,9 +62,11 @@ def test_the_grader_sets_the_reward_and_the_agents_cannot(
             grades = await client.get_events(honest, type=GRADE_EVENT)
             assert [e.data for e in grades] == [{"answer": "42"}]
 
-            # The hostile agent broke what the grader reads: its failure, scored as one.
+            # The hostile agent's answer is a link to the honest one: the grader refuses to
+            # follow it out of the workspace, and that is the agent's failure.
             assert bad.status is Status.FAILED
-            assert bad.error is not None and bad.error.startswith("grader raised: IsADirectory")
+            assert bad.error is not None and bad.error.startswith("grader raised: ValueError")
+            assert "leads out of the attempt's workspace" in bad.error
             cause = failure_cause(bad.status, bad.error, has_reward=False)
             assert cause is Cause.GRADER and cause.agent
             assert await client.get_events(hostile, type="reward") == []
