@@ -116,7 +116,7 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
     torch.manual_seed(cfg.seed)
     try:
         trainer_config = TrainerConfig(**options["trainer"])
-        backend_config = _backend_config(options["backend"])
+        backend_config = _backend_config(options["backend"], trainer_config.steps)
         merge = make_merge(options["merge"])
         advantage = make_advantage(options["advantage"])
         loss = get("loss", cfg.loss.name)
@@ -252,9 +252,11 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
         return tracker.history
 
 
-def _backend_config(group: dict[str, Any]) -> Any:
-    """The training backend's config from ``backend=...`` (TypeError, ValueError)."""
+def _backend_config(group: dict[str, Any], steps: int) -> Any:
+    """The training backend's config from ``backend=...`` for a run of ``steps``
+    (TypeError, ValueError)."""
     options = _options(group)
+    options["total_training_steps"] = steps  # the lr schedule's length, as verl's trainer
     options["betas"] = tuple(options.get("betas", (0.9, 0.999)))
     if group["name"] == "torch":
         from agl.backends.training.torch import TorchBackendConfig

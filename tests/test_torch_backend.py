@@ -40,6 +40,7 @@ METRICS = {
     "micro_batches",
     "mini_batches",
     "train_s",
+    "lr",
 }
 
 

@@ -26,10 +26,13 @@ def _compose(overrides: list[str]):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_short_run_trains_and_serves_the_new_weights(tmp_path: Path, mode: str) -> None:
-    cfg = _compose([f"trainer.mode={mode}", "trainer.max_inflight_groups=6"])
+    schedule = ["backend.lr_scheduler_type=cosine", "backend.lr=1e-3"]
+    cfg = _compose([f"trainer.mode={mode}", "trainer.max_inflight_groups=6", *schedule])
     history = train(cfg, tmp_path)
     steps = [row for row in history if "reward/mean" in row]
     assert [row["step"] for row in steps] == [1, 2]
+    # the cosine runs over trainer.steps (2): factor 1, then (1 + cos(π/2)) / 2
+    assert [row["train/lr"] for row in steps] == pytest.approx([1e-3, 5e-4])
     for row in steps:
         assert row["samples"] > 0
         assert row["train/tokens_trained"] > 0

@@ -412,7 +412,15 @@ def test_verl_update_moves_parameters_as_torch_backend(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     samples, advantages = make_batch(5, rollouts=4, max_samples=2)
     loss = get("loss", "rollout_mean")
-    common = {"lr": 1e-3, "clip_low": CLIP_LOW, "clip_high": CLIP_HIGH, "num_mini_batches": 2}
+    common = {
+        "lr": 1e-3,
+        "clip_low": CLIP_LOW,
+        "clip_high": CLIP_HIGH,
+        "num_mini_batches": 2,
+        "lr_scheduler_type": "cosine",
+        "min_lr_ratio": 0.1,
+        "total_training_steps": 4,
+    }
     ref_model = load_model("tiny").model
     before = {k: v.clone() for k, v in ref_model.state_dict().items()}
     reference = TorchBackend(ref_model, TorchBackendConfig(max_tokens_per_micro_batch=40, **common))
@@ -440,6 +448,11 @@ def test_verl_update_moves_parameters_as_torch_backend(tmp_path: Path) -> None:
         assert metrics["mini_batches"] == ref_metrics["mini_batches"] == 2
         assert metrics["loss"] == pytest.approx(ref_metrics["loss"], rel=1e-4, abs=1e-7)
         assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4)
+        # one schedule step per train(), verl's engine and the torch backend alike
+        assert metrics["lr"] == ref_metrics["lr"] == pytest.approx(1e-3)
+        scheduled = reference.optimizer.param_groups[0]["lr"]
+        assert scheduled < 1e-3
+        assert policy.worker.engine.lr_scheduler.get_last_lr()[0] == pytest.approx(scheduled)
         # the inference engine serves the very module verl updated
         assert engine.model is loaded.model
         plain = load_model("tiny").model
@@ -452,6 +465,7 @@ def test_verl_update_moves_parameters_as_torch_backend(tmp_path: Path) -> None:
         assert _max_diff(policy.state_dict(), after) > 0
         policy.load(tmp_path)
         assert _max_diff(policy.state_dict(), after) == 0.0
+        assert policy.worker.engine.lr_scheduler.get_last_lr()[0] == pytest.approx(scheduled)
         policy.close()
     finally:
         engine.close()

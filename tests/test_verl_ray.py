@@ -119,6 +119,9 @@ def _config(**extra: Any) -> dict[str, Any]:
         "kl_type": "k1",  # the reference is the start: k1's gradient is not 0 there
         "rollout_is": "token",
         "rollout_is_threshold": 1.02,
+        "lr_scheduler_type": "cosine",
+        "min_lr_ratio": 0.1,
+        "total_training_steps": 4,
         **extra,
     }
 
@@ -203,6 +206,7 @@ def test_two_ranks_move_parameters_as_torch_backend(trained: dict) -> None:
     for name in ("entropy", "kl_reference", "correction/is_weight_mean"):
         assert metrics[name] == pytest.approx(ref[name], rel=1e-4, abs=1e-7), name
     assert 0 < ref["correction/is_truncated_fraction"] < 1  # TIS bound some tokens
+    assert metrics["lr"] == ref["lr"] == pytest.approx(1e-3)
     print(f"2-rank step: {trained['step_s']:.2f}s")
 
 
@@ -236,8 +240,13 @@ def test_save_load_round_trips_through_verls_checkpoint(trained: dict, tmp_path:
     policy.save(tmp_path)
     for folder in ("verl", "verl_reference"):  # the KL reference is kept, a shard per rank
         assert len(list((tmp_path / folder).glob("model_world_size_2_rank_*.pt"))) == RANKS
-    policy.train(samples, advantages, loss)
+    second = policy.train(samples, advantages, loss)
     assert _max_diff(policy.state_dict(), saved) > 0
     policy.load(tmp_path)
     assert _max_diff(policy.state_dict(), saved) == 0.0
     assert _max_diff(trained["model"].state_dict(), saved) == 0.0  # served module too
+    # every rank's schedule resumed at the saved step: one agl step, not one per mini-batch
+    lr = VerlBackendConfig(**_config()).lr_factor(1) * 1e-3
+    assert lr < 1e-3
+    assert second["lr"] == pytest.approx(lr)
+    assert policy.train(samples, advantages, loss)["lr"] == pytest.approx(lr)

@@ -50,6 +50,7 @@ import torch
 import transformers
 
 from agl.backends.sampling import logprobs_under
+from agl.backends.training.lr_schedule import LrSchedule
 from agl.backends.training.penalties import Guards, entropy_of, kl_penalty
 from agl.backends.training.tree import ancestor_mask
 from agl.core.correction import correct
@@ -66,7 +67,7 @@ _MAX_LOG_RATIO = 20.0
 
 
 @dataclass
-class TorchBackendConfig(Guards):
+class TorchBackendConfig(LrSchedule, Guards):
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -332,6 +333,9 @@ class TorchBackend:
             betas=tuple(config.betas),  # a Hydra ListConfig arrives as a list
             weight_decay=config.weight_decay,
         )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: config.lr_factor(step)
+        )
         # The KL penalty's anchor: the weights as they are now (after any warm-up).
         self.reference = _frozen_copy(model) if config.kl_coef else None
 
@@ -372,7 +376,9 @@ class TorchBackend:
             self.model.train(was_training)
             # Gradients are as big as the model; the engine gets that memory back.
             self.optimizer.zero_grad(set_to_none=True)
-        return stats.metrics(len(plan.mini_batches), time.perf_counter() - start)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()  # once per step, as verl's train_batch
+        return stats.metrics(len(plan.mini_batches), time.perf_counter() - start) | {"lr": lr}
 
     def state_dict(self) -> dict[str, Any]:
         """A snapshot (CPU copies, so later steps do not change it) of model and optimizer
@@ -380,6 +386,7 @@ class TorchBackend:
         state = {
             "model": _to_cpu_copy(self.model.state_dict()),
             "optimizer": _to_cpu_copy(self.optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict(),
         }
         if self.reference is not None:
             state["reference"] = _to_cpu_copy(self.reference.state_dict())
@@ -389,6 +396,8 @@ class TorchBackend:
         # Both copy into the existing tensors/device: the model object stays the same.
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if "scheduler" in state:  # checkpoints from before the schedule ran at constant lr
+            self.scheduler.load_state_dict(state["scheduler"])
         if self.reference is not None and "reference" in state:
             self.reference.load_state_dict(state["reference"])
 

@@ -97,6 +97,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agl.backends.training.lr_schedule import LrSchedule
 from agl.backends.training.penalties import Guards
 from agl.backends.training.verl_layout import (
     Padded,
@@ -163,7 +164,7 @@ __all__ = [
 
 
 @dataclass
-class VerlBackendConfig(Guards):
+class VerlBackendConfig(LrSchedule, Guards):
     """``conf/backend/verl.yaml``: torch.yaml's options plus verl's own."""
 
     lr: float = 1e-3
@@ -914,7 +915,7 @@ def worker_config(config: VerlBackendConfig, model_path: Path, reference: bool =
         weight_decay=config.weight_decay,
         betas=tuple(config.betas),
         clip_grad=config.grad_clip,
-        total_training_steps=1,  # constant schedule: the count does not matter
+        total_training_steps=1,  # agl's schedule replaces verl's (follow_schedule)
         lr_scheduler_type="constant",
     )
     contents = ["model"] if reference else ["model", "optimizer", "extra"]
@@ -952,7 +953,24 @@ def build_worker(
         worker = TrainingWorker(settings)
     worker.reset()  # builds the engine: FSDP-wraps model in place, makes the optimizer
     worker.set_loss_fn(loss_fn(config))
+    if not reference:
+        follow_schedule(worker, config)
     return worker
+
+
+def follow_schedule(worker: Any, schedule: LrSchedule) -> None:
+    """Make ``worker``'s lr follow ``schedule`` one agl step at a time.
+
+    verl advances its scheduler at the end of every ``train_mini_batch`` call, and agl
+    makes one call per mini-batch: a verl schedule would advance ``num_mini_batches``
+    times a step. The scheduler's factor is instead read from agl's own step count,
+    ``agl_step``, an attribute of the scheduler, so that verl's checkpoint (which saves
+    the scheduler's ``__dict__``) keeps it; verl's own steps then recompute the same lr.
+    """
+    scheduler = worker.engine.lr_scheduler
+    scheduler.agl_step = 0
+    scheduler.lr_lambdas = [lambda _verl_steps: schedule.lr_factor(scheduler.agl_step)]
+    scheduler.step()  # the factor of step 0 (a warm-up starts at 0)
 
 
 # --- the policy ---------------------------------------------------------------------------
@@ -1153,10 +1171,11 @@ class VerlPolicy:
                     self._collect(out, totals)
                     totals.tokens_trained += trained
                     totals.tokens_computed += sum(r.length for r in rows)
+            lr = self._lr_step()
         finally:
             self.model.train(was_training)
             self._refresh()
-        return totals.metrics(len(plan.mini_batches), time.perf_counter() - start)
+        return totals.metrics(len(plan.mini_batches), time.perf_counter() - start) | {"lr": lr}
 
     def _targets(
         self, samples: list[Sample], dp: int, totals: _Totals
@@ -1215,6 +1234,10 @@ class VerlPolicy:
         """One verl mini-batch (``train_mini_batch``); answers its output (metrics)."""
         return self.worker.train_mini_batch(td)
 
+    def _lr_step(self) -> float:
+        """After a step's updates: the lr they used; the schedule advances."""
+        return lr_step(self.worker)
+
     def _infer(self, td: TensorDict, reference: bool) -> torch.Tensor:
         """A forward-only pass: ``[rows, R]`` logprobs of the response columns."""
         worker = self.reference if reference else self.worker
@@ -1270,6 +1293,16 @@ class VerlPolicy:
     def close(self) -> None:
         if self._own_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+def lr_step(worker: Any) -> float:
+    """Advance ``worker``'s lr schedule (:func:`follow_schedule`) by one agl step;
+    answers the lr the step used."""
+    scheduler = worker.engine.lr_scheduler
+    lr = float(scheduler.get_last_lr()[0])
+    scheduler.agl_step += 1
+    scheduler.step()
+    return lr
 
 
 def _weights(samples: list[Sample], loss: LossFn) -> list[list[float]]:

@@ -66,13 +66,16 @@ from verl.single_controller.base.decorator import (
 )
 from verl.workers.engine_workers import TrainingWorker
 
+from agl.backends.training.lr_schedule import LrSchedule
 from agl.backends.training.verl import (
     VerlBackendConfig,
     VerlPolicy,
     _env,
     ensure_cpu_platform,
     ensure_process_group,
+    follow_schedule,
     loss_fn,
+    lr_step,
     register_sampling_engine,
     response_logprobs,
     worker_config,
@@ -143,6 +146,15 @@ class AglTrainingWorker(TrainingWorker):
         """``train_mini_batch`` on this rank's chunk; the metrics (rank 0's answered)."""
         output = self.train_mini_batch(data)
         return output.cpu() if output is not None else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def agl_follow_schedule(self, schedule: LrSchedule) -> None:
+        follow_schedule(self, schedule)
+
+    @register(dispatch_mode=ONE_TO_ALL_RANK_ZERO)
+    def agl_lr_step(self) -> float:
+        """Every rank advances its lr schedule one step; the lr the step used."""
+        return lr_step(self)
 
     @register(dispatch_mode=INFER_DISPATCH)
     def agl_logprobs(self, data: TensorDict) -> TensorDict | None:
@@ -293,6 +305,7 @@ class RayWorkers:
             )
             group.reset()  # every rank builds verl's FSDP engine from the folder
             group.set_loss_fn(loss_fn(config))
+            group.agl_follow_schedule(config)
             if reference is not None:
                 # the same folder: the reference is the weights the policy started from
                 group.agl_reference_reset()
@@ -366,6 +379,9 @@ class RayVerlPolicy(VerlPolicy):
 
     def _update(self, td: TensorDict) -> Any:
         return self.workers.group.agl_train(td)
+
+    def _lr_step(self) -> float:
+        return float(self.workers.group.agl_lr_step())
 
     def _infer(self, td: TensorDict, reference: bool) -> torch.Tensor:
         group = self.workers.group

@@ -1,0 +1,78 @@
+"""The learning-rate schedule both training backends share, with verl's names and verl's
+formulas (``verl.utils.torch_functional.get_{constant,cosine}_schedule_with_warmup``,
+as verl's FSDP engine builds them from its ``optim`` config).
+
+The schedule advances once per training step (one ``train()`` call, whatever its number
+of mini-batches), as verl's ``TrainingWorker.train_batch`` does. With ``W`` warm-up steps
+(``int(lr_warmup_steps_ratio · total_training_steps)``) and ``N`` the total, the factor
+on ``lr`` at step ``s`` (0-indexed) is:
+
+- ``constant``: ``s / W`` while ``s < W``, then 1;
+- ``cosine``: ``s / W`` while ``s < W``, then
+  ``max(m, m + (1 - m) · (1 + cos(π · (s - W) / (N - W))) / 2)``, ``m = min_lr_ratio``.
+
+Invariants (``tests/test_lr_schedule.py`` checks each against verl's own functions):
+the factor is in ``[0, 1]``; it is 1 from the end of the warm-up on under ``constant``;
+under ``cosine`` it never rises after the warm-up and reaches ``min_lr_ratio`` at step
+``N`` (one past the run's last step, as in verl) unless the warm-up takes the whole run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+LR_SCHEDULERS = ("constant", "cosine")
+
+
+@dataclass
+class LrSchedule:
+    """``lr_scheduler_type``, ``lr_warmup_steps_ratio``, ``min_lr_ratio`` as in verl's
+    optimizer config; ``total_training_steps`` is the run's ``trainer.steps`` (``agl.train``
+    fills it in, as verl's trainer does). A backend config extends this."""
+
+    lr_scheduler_type: str = "constant"
+    lr_warmup_steps_ratio: float = 0.0
+    min_lr_ratio: float = 0.0
+    total_training_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.lr_scheduler_type not in LR_SCHEDULERS:
+            raise ValueError(
+                f"lr_scheduler_type must be one of {', '.join(LR_SCHEDULERS)}, "
+                f"not {self.lr_scheduler_type!r}"
+            )
+        if not 0.0 <= self.lr_warmup_steps_ratio <= 1.0:
+            raise ValueError(
+                f"lr_warmup_steps_ratio must be in [0, 1], not {self.lr_warmup_steps_ratio}"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], not {self.min_lr_ratio}")
+        if self.decays and self.total_training_steps < 1:
+            raise ValueError(
+                f"lr_scheduler_type={self.lr_scheduler_type} with warm-up or decay needs "
+                f"total_training_steps >= 1, not {self.total_training_steps}"
+            )
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:  # the config's other bases (the guards) check theirs
+            parent()
+
+    @property
+    def decays(self) -> bool:
+        """Whether the factor ever differs from 1 (else the step count does not matter)."""
+        return self.lr_scheduler_type == "cosine" or self.lr_warmup_steps_ratio > 0.0
+
+    @property
+    def warmup_steps(self) -> int:
+        return int(self.lr_warmup_steps_ratio * self.total_training_steps)
+
+    def lr_factor(self, step: int) -> float:
+        """The factor on ``lr`` at training step ``step`` (0-indexed)."""
+        warmup = self.warmup_steps
+        if step < warmup:
+            return step / max(1, warmup)
+        if self.lr_scheduler_type == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, self.total_training_steps - warmup)
+        m = self.min_lr_ratio
+        return max(m, m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * progress)))
