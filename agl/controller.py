@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agl.core.cli import parse_or_exit
+from agl.core.run.cli import parse_or_exit
 
 if TYPE_CHECKING:
-    from agl.core.controller import Executor
+    from agl.core.contracts.execution import Executor
 
 log = logging.getLogger("agl.controller")
 
@@ -99,7 +99,7 @@ def build_executor(config: ControllerConfig) -> Executor:
 
 async def serve(config: ControllerConfig, token: str) -> None:
     from agl.core.client import AsyncGatewayClient, fast_http_client
-    from agl.core.controller import Controller
+    from agl.core.controller.reconcile import Controller
 
     executor = build_executor(config)
     http = fast_http_client(64, timeout_s=60.0)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import uvicorn
 
-from agl.core.auth import load_admin_token
-from agl.core.cli import parse_or_exit
-from agl.core.connections import http_protocol
-from agl.core.gateway import GatewayConfig, bind_refusal, create_app
-from agl.core.private_files import private_dir
+from agl.core.gateway.app import GatewayConfig, bind_refusal, create_app
+from agl.core.gateway.auth import load_admin_token
+from agl.core.gateway.connections import http_protocol
+from agl.core.gateway.private_files import private_dir
+from agl.core.run.cli import parse_or_exit
 
 log = logging.getLogger("agl.gateway")
 

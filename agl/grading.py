@@ -15,7 +15,7 @@ the attempt's report key:
 - when the harness exits 0, the executor calls the grader with the attempt's input and
   workspace and posts its verdict: the reward event (with the grade's metrics), a
   ``grade`` event with its details, and the attempt's end (succeeded). A harness that
-  fails or times out is not graded: its failure is the agent's (``agl.core.failures``);
+  fails or times out is not graded: its failure is the agent's (``agl.core.contracts.failures``);
 - a grader that raises fails the attempt as the agent's failure (``grader raised: ...``):
   an agent must not escape its zero by breaking what the grader reads.
 - the workspace is the agent's: a link in it may point anywhere the grader (not the
@@ -40,8 +40,8 @@ import httpx
 
 from agl.agent import AgentContext, event_id
 from agl.core.client import AsyncGatewayClient
-from agl.core.records import EventIn
-from agl.core.tasks import load_callable
+from agl.core.contracts.records import EventIn
+from agl.core.run.tasks import load_callable
 
 GRADE_EVENT = "grade"
 

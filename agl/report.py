@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from agl.core.run.errors import UserError
+
 log = logging.getLogger("agl.report")
 
 METRICS_FILE = "metrics.jsonl"
@@ -57,10 +59,6 @@ METRICS: tuple[Metric, ...] = (
 )
 
 
-class ReportError(Exception):
-    """A problem the user can fix; reported in one line, without a traceback."""
-
-
 @dataclass(frozen=True)
 class Run:
     path: Path
@@ -93,12 +91,12 @@ def find_runs(folder: Path) -> list[Path]:
     """``folder`` if it is a run (holds metrics.jsonl), else its subfolders that are runs,
     in the order of their job numbers (``2-...`` before ``10-...``)."""
     if not folder.is_dir():
-        raise ReportError(f"no run ({METRICS_FILE}) under {folder}: no such folder")
+        raise UserError(f"no run ({METRICS_FILE}) under {folder}: no such folder")
     if (folder / METRICS_FILE).is_file():
         return [folder]
     runs = [p for p in folder.iterdir() if p.is_dir() and (p / METRICS_FILE).is_file()]
     if not runs:
-        raise ReportError(f"no run ({METRICS_FILE}) under {folder}")
+        raise UserError(f"no run ({METRICS_FILE}) under {folder}")
     return sorted(runs, key=_natural)
 
 
@@ -116,10 +114,10 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
-            raise ReportError(f"{path}:{number}: malformed metrics line: {error.msg}") from None
+            raise UserError(f"{path}:{number}: malformed metrics line: {error.msg}") from None
         problem = _row_problem(row)
         if problem:
-            raise ReportError(f"{path}:{number}: malformed metrics line: {problem}")
+            raise UserError(f"{path}:{number}: malformed metrics line: {problem}")
         rows.append(row)
     return rows
 
@@ -145,7 +143,7 @@ def read_choices(run: Path) -> dict[str, str]:
     try:
         config = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
-        raise ReportError(f"{path}: not YAML: {str(error).splitlines()[0]}") from None
+        raise UserError(f"{path}: not YAML: {str(error).splitlines()[0]}") from None
     choices = {}
     for name, keys in CHOICES:
         value: Any = config
@@ -354,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="agl.report: %(message)s")
     try:
         index = build_report(args.dir, args.out or args.dir / "report")
-    except ReportError as error:
+    except UserError as error:
         sys.stderr.write(f"agl.report: {error}\n")
         return 2
     except OSError as error:

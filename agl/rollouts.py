@@ -42,12 +42,13 @@ from typing import IO, Any, TypeVar
 
 import httpx
 
-from agl.core.calls import dedup, read_calls, shown_messages
 from agl.core.client import AsyncGatewayClient, GatewayError
-from agl.core.explain import BreakDetail, Explanation, explain
-from agl.core.records import Event, Rollout, Status
-from agl.core.store import RolloutRow, SortKey, SummaryQuery, Transition
-from agl.core.types import BreakReason, ModelCall
+from agl.core.contracts.queries import RolloutRow, SortKey, SummaryQuery, Transition
+from agl.core.contracts.records import Event, Rollout, Status
+from agl.core.contracts.samples import BreakReason, ModelCall
+from agl.core.run.errors import UserError
+from agl.core.trainer.calls import dedup, read_calls, shown_messages
+from agl.core.trainer.explain import BreakDetail, Explanation, explain
 
 T = TypeVar("T")
 Rule = Callable[[Rollout, list[Event]], list[str]]
@@ -59,10 +60,6 @@ LS_PAGE = 1000  # rows per /api/summaries call: the gateway's most
 CONCURRENCY = 16  # event reads in flight
 TEXT_LIMIT = 240  # characters of a message shown by show without --full
 SORT_KEYS = tuple(k.value for k in SortKey if k is not SortKey.CREATED)  # the default order
-
-
-class UsageError(Exception):
-    """A problem the user can fix, reported in one line."""
 
 
 # ---------------------------------------------------------------------- selecting rollouts
@@ -486,13 +483,13 @@ async def cmd_show(client: AsyncGatewayClient, args: argparse.Namespace, out: IO
 
 
 def load_run_folder(folder: str) -> Any:
-    """The run (``agl.runs`` loads torch and the tokenizer: only when asked)."""
-    from agl.runs import RunFolderError, load_run
+    """The run (``agl.core.run.folder`` loads torch and the tokenizer: only when asked)."""
+    from agl.core.run.folder import RunFolderError, load_run
 
     try:
         return load_run(folder)
     except RunFolderError as error:
-        raise UsageError(str(error)) from None
+        raise UserError(str(error)) from None
 
 
 # -------------------------------------------------------------------------------- export
@@ -508,7 +505,7 @@ async def cmd_export(client: AsyncGatewayClient, args: argparse.Namespace, out: 
     try:
         target = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
     except OSError as error:
-        raise UsageError(f"cannot write {args.output}: {error.strerror}") from None
+        raise UserError(f"cannot write {args.output}: {error.strerror}") from None
     written = 0
     try:
         async for rollout, events in matching(client, filters(args)):
@@ -623,17 +620,17 @@ def load_rules(spec: str) -> list[Rule]:
     """``module:attr``: a rule, or a list of rules."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise UsageError(f"--rules {spec!r}: expected module:attribute")
+        raise UserError(f"--rules {spec!r}: expected module:attribute")
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise UsageError(f"--rules {spec!r}: cannot import {module_name!r}: {error}") from None
+        raise UserError(f"--rules {spec!r}: cannot import {module_name!r}: {error}") from None
     found = getattr(module, attr, None)
     if found is None:
-        raise UsageError(f"--rules {spec!r}: {module_name!r} has no {attr!r}")
+        raise UserError(f"--rules {spec!r}: {module_name!r} has no {attr!r}")
     rules = [found] if callable(found) else list(found)
     if not all(callable(r) for r in rules):
-        raise UsageError(f"--rules {spec!r}: not a rule or a list of rules")
+        raise UserError(f"--rules {spec!r}: not a rule or a list of rules")
     return rules
 
 
@@ -642,14 +639,14 @@ def apply(rule: Rule, rollout: Rollout, events: list[Event]) -> list[str]:
         return [str(reason) for reason in rule(rollout, events)]
     except Exception as error:  # a user's rule: say which and where, in one line
         name = getattr(rule, "__name__", repr(rule))
-        raise UsageError(f"rule {name} failed on {rollout.rollout_id}: {error!r}") from None
+        raise UserError(f"rule {name} failed on {rollout.rollout_id}: {error!r}") from None
 
 
 async def cmd_scan(client: AsyncGatewayClient, args: argparse.Namespace, out: IO[str]) -> None:
     try:
         commands = command_rule(args.pattern or DEFAULT_PATTERNS)
     except re.error as error:
-        raise UsageError(f"--pattern: not a regular expression: {error}") from None
+        raise UserError(f"--pattern: not a regular expression: {error}") from None
     rules = [commands, repeated_call, cut_at_max_tokens, reward_without_calls, failed_call]
     if args.run is not None:
         rules.append(merge_breaks(load_run_folder(args.run)))
@@ -673,7 +670,7 @@ def filters(args: argparse.Namespace) -> Filters:
         statuses = tuple(Status(s) for arg in args.status for s in arg.split(",") if s)
     except ValueError:
         known = ", ".join(s.value for s in Status)
-        raise UsageError(f"--status {','.join(args.status)}: choose from {known}") from None
+        raise UserError(f"--status {','.join(args.status)}: choose from {known}") from None
     return Filters(
         statuses=statuses,
         mode=args.mode,
@@ -739,10 +736,10 @@ def admin_token(args: argparse.Namespace) -> str:
         try:
             return Path(args.token_file).read_text().strip()
         except OSError as error:
-            raise UsageError(f"cannot read {args.token_file}: {error.strerror}") from None
+            raise UserError(f"cannot read {args.token_file}: {error.strerror}") from None
     token = os.environ.get("AGL_ADMIN_TOKEN")
     if not token:
-        raise UsageError("no admin token: set AGL_ADMIN_TOKEN or pass --token-file")
+        raise UserError("no admin token: set AGL_ADMIN_TOKEN or pass --token-file")
     return token
 
 
@@ -765,7 +762,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.getLogger("agl.core.client").setLevel(logging.ERROR)
     try:
         asyncio.run(run(args))
-    except UsageError as error:
+    except UserError as error:
         fail(str(error))
     except GatewayError as error:
         fail(describe(error, args))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
-from agl.core.cli import check_port, parse_or_exit
+from agl.core.run.cli import check_port, parse_or_exit
 
 log = logging.getLogger("agl.serve")
 

@@ -12,32 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from agl.backends.inference.models import LoadedModel
-    from agl.backends.inference.service import InferenceService
-    from agl.core.assemble import Advantage, MergeStrategy
-    from agl.core.controller import Executor
-    from agl.core.trainer import Policy
+from agl.core.run.build import CONF, ROOT
+from agl.core.run.errors import UserError
 
-ROOT = Path(__file__).resolve().parent.parent
-CONF = ROOT / "conf"
+__all__ = ["CONF", "ROOT", "check_choices", "main", "train"]
+
 GROUPS = ("merge", "advantage", "loss", "model", "task", "backend", "inference", "controller")
 
 log = logging.getLogger("agl.train")
-
-
-class UserError(Exception):
-    """A problem the user can fix; reported in one line, without a traceback."""
 
 
 def check_choices(argv: Sequence[str], conf: Path = CONF) -> str | None:
@@ -101,14 +92,24 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
 
     from agl.backends.inference.models import ModelUnavailable, default_cache_dir
     from agl.core.client import AsyncGatewayClient, fast_http_client
-    from agl.core.console import Progress, summary
-    from agl.core.controller import Controller
-    from agl.core.records import ModelEndpoint
-    from agl.core.registry import get
-    from agl.core.services import ChildGateway
-    from agl.core.tasks import Task, TaskConfig
-    from agl.core.tracking import Tracker
-    from agl.core.trainer import Trainer, TrainerConfig
+    from agl.core.contracts.records import ModelEndpoint
+    from agl.core.controller.reconcile import Controller
+    from agl.core.run.build import (
+        backend_config,
+        executor_for,
+        inference_service,
+        load_configured_model,
+        make_advantage,
+        make_merge,
+        policy_for,
+        text_decode,
+    )
+    from agl.core.run.console import Progress, summary
+    from agl.core.run.services import ChildGateway
+    from agl.core.run.tasks import Task, TaskConfig
+    from agl.core.run.tracking import Tracker
+    from agl.core.trainer.loop import Trainer, TrainerConfig
+    from agl.strategies.registry import get
 
     started = time.monotonic()
     options = OmegaConf.to_container(cfg, resolve=True)
@@ -116,7 +117,7 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
     torch.manual_seed(cfg.seed)
     try:
         trainer_config = TrainerConfig(**options["trainer"])
-        backend_config = _backend_config(options["backend"], trainer_config.steps)
+        backend_config = backend_config(options["backend"], trainer_config.steps)
         merge = make_merge(options["merge"])
         advantage = make_advantage(options["advantage"])
         loss = get("loss", cfg.loss.name)
@@ -146,17 +147,17 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
             )
             if warm:
                 log.info("warm-up: %s", warm)
-        server = _serve(options["inference"], loaded, cfg, run_dir)
+        server = inference_service(options["inference"], loaded, cfg, run_dir)
         stack.callback(server.close)
         try:
             server.start()
         except (OSError, RuntimeError) as error:
             raise UserError(f"inference={cfg.inference.name}: {error}") from None
-        policy = _policy(backend_config, loaded, server, run_dir)
+        policy = policy_for(backend_config, loaded, server, run_dir)
         if close_policy := getattr(policy, "close", None):
             stack.callback(close_policy)  # verl's workers (and a Ray it started)
         agent_gateway_url = cfg.controller.get("agent_gateway_url") or gateway.url
-        executor = _executor(
+        executor = executor_for(
             options["controller"],
             cfg.task.harness,
             run_dir,
@@ -252,123 +253,6 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
         return tracker.history
 
 
-def _backend_config(group: dict[str, Any], steps: int) -> Any:
-    """The training backend's config from ``backend=...`` for a run of ``steps``
-    (TypeError, ValueError)."""
-    options = _options(group)
-    options["total_training_steps"] = steps  # the lr schedule's length, as verl's trainer
-    options["betas"] = tuple(options.get("betas", (0.9, 0.999)))
-    if group["name"] == "torch":
-        from agl.backends.training.torch import TorchBackendConfig
-
-        options.pop("torch_threads", None)
-        return TorchBackendConfig(**options)
-    if group["name"] == "verl":
-        try:
-            from agl.backends.training.verl import VerlBackendConfig
-        except ImportError as error:
-            raise UserError(
-                f"backend=verl needs verl 0.9.1 ({error}): pip install -e '.[verl]' && "
-                "pip install --no-deps verl==0.9.1"
-            ) from None
-        return VerlBackendConfig(**options)
-    raise UserError(f"backend={group['name']}: no such training backend")
-
-
-def _policy(config: Any, loaded: LoadedModel, server: InferenceService, run_dir: Path) -> Policy:
-    """The training side over the module ``server`` serves (updated in place, then
-    published): agl's torch backend, or verl's actor update."""
-    from agl.backends.training.torch import TorchBackendConfig
-
-    if isinstance(config, TorchBackendConfig):
-        from agl.backends.training.embedded import EmbeddedPolicy
-        from agl.backends.training.torch import TorchBackend
-
-        return EmbeddedPolicy(TorchBackend(loaded.model, config), server.paused)
-    from agl.backends.training.verl import VerlPolicy
-
-    if config.on_ray:  # backend.ranks > 1: verl's FSDP workers on Ray
-        from agl.backends.training.verl_ray import RayVerlPolicy
-
-        return RayVerlPolicy(
-            loaded.model,
-            config,
-            tokenizer=loaded.tokenizer,
-            paused=server.paused,
-            work_dir=run_dir / "verl",
-        )
-    return VerlPolicy(
-        loaded.model,
-        config,
-        tokenizer=loaded.tokenizer,
-        paused=server.paused,
-        work_dir=run_dir / "verl",
-    )
-
-
-def _serve(
-    options: dict[str, Any], loaded: LoadedModel, cfg: Any, run_dir: Path
-) -> InferenceService:
-    """The inference engine ``inference=...`` names, serving ``loaded`` (not yet started)."""
-    settings = _options(options)
-    max_context = cfg.model.get("max_context") or loaded.max_context
-    try:
-        if options["name"] == "embedded":
-            from agl.backends.inference.embedded import EmbeddedServer
-
-            return EmbeddedServer(
-                loaded.model,
-                loaded.tokenizer,
-                loaded.name,
-                host=settings["host"],
-                port=settings["port"],
-                max_batch_size=settings["max_batch_size"],
-                max_context=max_context,
-                seed=cfg.seed,
-                num_threads=settings["torch_threads"],
-            )
-        if options["name"] == "vllm":
-            from agl.backends.inference.vllm import VllmOptions, VllmServers
-
-            settings["max_model_len"] = settings.get("max_model_len") or max_context
-            return VllmServers(
-                loaded.model, loaded.tokenizer, loaded.name, run_dir, VllmOptions(**settings)
-            )
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(f"inference={options['name']}: {error}") from None
-    raise UserError(f"inference={options['name']}: no such inference engine")
-
-
-def _executor(
-    options: dict[str, Any],
-    harness: str,
-    run_dir: Path,
-    agent_gateway_url: str,
-    grader: str | None = None,
-) -> Executor:
-    """The executor ``controller=...`` names; UserError (one line) if it cannot be had."""
-    from agl.backends.execution import make_executor
-
-    settings = {
-        k: v
-        for k, v in _options(options).items()
-        if k not in ("poll_s", "reconcile_s", "agent_gateway_url")
-    }
-    try:
-        return make_executor(
-            options["name"],
-            settings,
-            harness=harness,
-            run_dir=run_dir,
-            agent_gateway_url=agent_gateway_url,
-            extra_pythonpath=[str(ROOT)],
-            base_dir=ROOT,
-            grader=grader,
-        )
-    except ValueError as error:
-        raise UserError(f"controller={options['name']}: {error}") from None
-
-
 async def _until_first_done(main: Any, companion: asyncio.Task[Any]) -> Any:
     """Run ``main``; if ``companion`` (the controller) dies first, fail with its error."""
     main_task = asyncio.ensure_future(main)
@@ -380,46 +264,6 @@ async def _until_first_done(main: Any, companion: asyncio.Task[Any]) -> Any:
         await main_task
     error = companion.exception()
     raise RuntimeError(f"the rollout controller stopped: {error!r}")
-
-
-def make_merge(
-    group: dict[str, Any], decode: Callable[[Sequence[int]], str] | None = None
-) -> MergeStrategy:
-    """The merge strategy of a resolved ``merge`` config group, with its options;
-    ``decode`` goes to the strategies that compare texts (stitch). ``agl.runs`` builds a
-    finished run's strategy with this too, so what it explains is what was trained."""
-    from agl.core.assemble import MergeStrategy
-    from agl.core.registry import get
-
-    return MergeStrategy(get("merge", group["name"]), _options(group), decode=decode)
-
-
-def make_advantage(group: dict[str, Any]) -> Advantage:
-    """The advantage function of a resolved ``advantage`` config group, its options bound."""
-    from agl.core.registry import get
-
-    return functools.partial(get("advantage", group["name"]), **_options(group))
-
-
-def load_configured_model(group: dict[str, Any]) -> LoadedModel:
-    """The model of a resolved ``model`` config group (ValueError, ModelUnavailable)."""
-    from agl.backends.inference.models import load_model
-
-    cache_dir = group.get("cache_dir")
-    return load_model(
-        group["name"],
-        cache_dir=Path(cache_dir) if cache_dir else None,
-        seed=group.get("seed", 0),
-    )
-
-
-def text_decode(tokenizer: Any) -> Callable[[Sequence[int]], str]:
-    """The text of token ids as merge strategies compare it: special tokens kept."""
-    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
-
-
-def _options(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "name"}
 
 
 def _setup_logging(run_dir: Path, level: str) -> None:

@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
-from agl.core.auth import Keyring
 from agl.core.client import fast_http_client, proxy_base_url
+from agl.core.gateway.auth import Keyring
 
 # Attacks that try to set a reward or an attempt's status without the report key: a 2xx
 # for any of them is a reward the model's tools could forge.

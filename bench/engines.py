@@ -56,7 +56,7 @@ from agl.backends.inference.vllm import (
     write_weights,
 )
 from agl.core.client import GatewayClient, proxy_base_url
-from agl.core.types import Sample
+from agl.core.contracts.samples import Sample
 from agl.testing.processes import gateway_process, serve_process
 from bench.tables import table
 
@@ -357,7 +357,7 @@ def make_trainer(kind: str, work_dir: Path) -> tuple[Any, float]:
 def measure_training(kinds: Sequence[str], samples: int, group_size: int, reps: int) -> TrainRun:
     """One warm-up step each, then ``reps`` steps each in A B C / C B A order."""
     import agl.strategies.loss  # noqa: F401  (registers the loss strategies)
-    from agl.core.registry import get
+    from agl.strategies.registry import get
 
     batch, advantages = synthetic_batch(load_model("tiny"), samples, group_size)
     loss = get("loss", "rollout_mean")  # conf/train.yaml's default

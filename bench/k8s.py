@@ -32,8 +32,8 @@ from typing import Any
 
 from agl.backends.execution.k8s import K8sExecutor, K8sExecutorConfig, job_name
 from agl.core.client import AsyncGatewayClient, fast_http_client
-from agl.core.controller import Controller
-from agl.core.records import Status
+from agl.core.contracts.records import Status
+from agl.core.controller.reconcile import Controller
 from agl.testing.k8s import ApiServer, NodeSimulator
 from agl.testing.processes import gateway_process
 

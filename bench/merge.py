@@ -22,10 +22,10 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from agl.core.calls import dedup
-from agl.core.metrics import merge_metrics
-from agl.core.registry import get, names
-from agl.core.types import BreakReason, ModelCall, Sample
+from agl.core.contracts.samples import BreakReason, ModelCall, Sample
+from agl.core.trainer.calls import dedup
+from agl.core.trainer.metrics import merge_metrics
+from agl.strategies.registry import get, names
 from agl.testing.retok import load_tokenizer
 from agl.testing.retok.traces import MECHANISMS, generate_traces
 from bench import schedule as schedule_bench

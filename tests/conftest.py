@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from agl.core.client import GatewayClient, proxy_base_url
-from agl.core.records import Rollout
+from agl.core.contracts.records import Rollout
 from agl.testing.fake_vllm import FakeVllm, serve_in_thread
 from agl.testing.processes import GatewayProcess, gateway_process
 

@@ -19,7 +19,7 @@ import openai
 
 from agl.agent import AgentContext
 from agl.backends.execution.worker import shared_http
-from agl.core.records import EventIn
+from agl.core.contracts.records import EventIn
 
 
 async def _seen(agent: AgentContext) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 import openai
 
 from agl.core.client import GatewayClient
-from agl.core.records import Rollout
-from agl.core.services import free_port
+from agl.core.contracts.records import Rollout
+from agl.core.run.services import free_port
 from agl.testing.fake_vllm import FakeVllm, reply_for
 from agl.testing.processes import GatewayProcess, gateway_process
 from tests.conftest import base_url

@@ -12,8 +12,8 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agl.core.registry import KINDS, get, names
-from agl.core.types import Sample
+from agl.core.contracts.samples import Sample
+from agl.strategies.registry import KINDS, get, names
 
 
 def sample(rollout: str, actions: int, group: str = "g", context: int = 2) -> Sample:

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl.core.assemble import FinishedRollout, MergeStrategy, assemble
-from agl.core.records import Status
-from agl.core.registry import get
-from agl.core.types import NO_TRANSFORM, ModelCall, Sampling
+from agl.core.contracts.records import Status
+from agl.core.contracts.samples import NO_TRANSFORM, ModelCall, Sampling
+from agl.core.trainer.assemble import FinishedRollout, MergeStrategy, assemble
+from agl.strategies.registry import get
 
 
 def _calls(versions: list[int], sampling: Sampling = NO_TRANSFORM) -> list[ModelCall]:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from agl.core.client import AsyncGatewayClient, GatewayClient, GatewayError
-from agl.core.records import EventIn
+from agl.core.contracts.records import EventIn
 from agl.testing.processes import free_port, gateway_process
 
 

@@ -21,11 +21,11 @@ import httpx
 import openai
 import pytest
 
-from agl.core.calls import read_calls
 from agl.core.client import GatewayClient
-from agl.core.dialects import ANTHROPIC
-from agl.core.records import Rollout
-from agl.core.registry import get
+from agl.core.contracts.records import Rollout
+from agl.core.gateway.dialects import ANTHROPIC
+from agl.core.trainer.calls import read_calls
+from agl.strategies.registry import get
 from agl.testing.fake_vllm import EOS, FakeVllm, completion_for, encode, logprob, prompt_ids
 from agl.testing.processes import GatewayProcess, gateway_process, serve_process
 from agl.ui.views import timeline

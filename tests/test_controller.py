@@ -27,9 +27,10 @@ import pytest
 from agl.agent import AgentContext
 from agl.backends.execution.local import LocalExecutor, LocalExecutorConfig
 from agl.core.client import AsyncGatewayClient, GatewayClient
-from agl.core.controller import LOST, NO_STATUS, ORPHANED, STOPPED, Controller, Exit, Launch
-from agl.core.failures import failure_cause
-from agl.core.records import Rollout, Status
+from agl.core.contracts.execution import LOST, NO_STATUS, ORPHANED, STOPPED, Exit, Launch
+from agl.core.contracts.failures import failure_cause
+from agl.core.contracts.records import Rollout, Status
+from agl.core.controller.reconcile import Controller
 from agl.testing.processes import GatewayProcess, free_port, gateway_process
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Which recorded calls the trainer keeps (``agl.core.calls.dedup``): every call the harness
+"""Which recorded calls the trainer keeps (``agl.core.trainer.calls.dedup``): every call the harness
 went on with, never a retry or an unused choice; the paper's rule on request."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl.core.calls import dedup
-from agl.core.types import ModelCall
+from agl.core.contracts.samples import ModelCall
+from agl.core.trainer.calls import dedup
 
 
 def call(prompt: list[int], response: list[int], choice: int = 0) -> ModelCall:

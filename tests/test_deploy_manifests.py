@@ -35,8 +35,8 @@ from agl.backends.execution.k8s import (
     own_job,
     render_job,
 )
-from agl.core.cli import parse_overrides
-from agl.core.gateway import GatewayConfig
+from agl.core.gateway.app import GatewayConfig
+from agl.core.run.cli import parse_overrides
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 K8S = DEPLOY / "k8s"

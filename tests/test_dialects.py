@@ -1,4 +1,4 @@
-"""agl.core.dialects: the Responses and Messages APIs over chat completions.
+"""agl.core.gateway.dialects: the Responses and Messages APIs over chat completions.
 
 Every answer and every streamed event is checked with the official SDKs' own types, a
 stream is added up with the SDKs' own accumulators, and the SDK clients themselves talk
@@ -23,7 +23,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from agl.core.dialects import ANTHROPIC, RESPONSES, Dialect, DialectError
+from agl.core.gateway.dialects import ANTHROPIC, RESPONSES, Dialect, DialectError
 
 RESPONSE_EVENT = TypeAdapter(ResponseStreamEvent)
 MESSAGE_EVENT = TypeAdapter(anthropic.types.RawMessageStreamEvent)
@@ -171,7 +171,7 @@ def anthropic_client(handler: Callable[..., Any]) -> anthropic.Anthropic:
 @pytest.fixture
 def ignored_log(caplog: pytest.LogCaptureFixture) -> Iterator[Callable[[], list[str]]]:
     """The dialects' "ignoring ..." lines logged during the test."""
-    caplog.set_level(logging.DEBUG, logger="agl.core.dialects")
+    caplog.set_level(logging.DEBUG, logger="agl.core.gateway.dialects")
     yield lambda: [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
 
 

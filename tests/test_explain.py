@@ -1,4 +1,4 @@
-"""agl.core.explain: how a rollout's calls were assembled, checked against the samples
+"""agl.core.trainer.explain: how a rollout's calls were assembled, checked against the samples
 the merge strategies make, on toy traces (every drift operation) and on the retokenization
 testbed (real BPE drift with its ground truth)."""
 
@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl.core.calls import dedup
-from agl.core.explain import Explanation, calls_from_events, explain
-from agl.core.merging import common_prefix_len
-from agl.core.records import Event
-from agl.core.registry import get
-from agl.core.types import BreakReason, ModelCall, Sample
+from agl.core.contracts.records import Event
+from agl.core.contracts.samples import BreakReason, ModelCall, Sample
+from agl.core.trainer.calls import dedup
+from agl.core.trainer.explain import Explanation, calls_from_events, explain
+from agl.strategies.merging import common_prefix_len
+from agl.strategies.registry import get
 from agl.testing.retok import load_tokenizer
 from agl.testing.retok.traces import MECHANISMS, Rates, generate_rollout
 from tests.toy_traces import VOCAB, decode, traces

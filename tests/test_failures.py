@@ -1,4 +1,4 @@
-"""Failures named by cause (``agl.core.failures``) and what validation makes of them."""
+"""Failures named by cause (``agl.core.contracts.failures``) and what validation makes of them."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from agl.core.assemble import FinishedRollout
-from agl.core.controller import LOST, NO_STATUS, ORPHANED, STOPPED
-from agl.core.failures import Cause, failure_cause, is_final
-from agl.core.records import Rollout, Status
-from agl.core.tasks import Task, TaskConfig
-from agl.core.trainer import validation_metrics
+from agl.core.contracts.execution import LOST, NO_STATUS, ORPHANED, STOPPED
+from agl.core.contracts.failures import Cause, failure_cause, is_final
+from agl.core.contracts.records import Rollout, Status
+from agl.core.run.tasks import Task, TaskConfig
+from agl.core.trainer.assemble import FinishedRollout
+from agl.core.trainer.loop import validation_metrics
 
 CASES = [
     # (status, error, reward?, failed calls) -> cause

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from agl.core.client import GatewayClient, GatewayError
-from agl.core.records import EventIn, Rollout, Status
+from agl.core.contracts.records import EventIn, Rollout, Status
 from agl.testing.processes import GatewayProcess
 
 

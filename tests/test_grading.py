@@ -15,8 +15,8 @@ import pytest
 from agl.agent import AgentContext
 from agl.backends.execution.confine import confined, unavailable
 from agl.backends.execution.local import LocalExecutor, LocalExecutorConfig
-from agl.core.failures import Cause, failure_cause
-from agl.core.records import Status
+from agl.core.contracts.failures import Cause, failure_cause
+from agl.core.contracts.records import Status
 from agl.grading import GRADE_EVENT, Grade, as_grade, load_grader
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess

@@ -36,9 +36,9 @@ from agl.agent import ENV_REPORT_FD, AgentContext, holding_report_key, report_pi
 from agl.backends.inference.engine import Engine, SamplingParams
 from agl.backends.inference.models import LoadedModel, load_model
 from agl.core.client import GatewayClient
-from agl.core.records import Status
-from agl.core.registry import get
-from agl.core.types import BreakReason, ModelCall, Sample
+from agl.core.contracts.records import Status
+from agl.core.contracts.samples import BreakReason, ModelCall, Sample
+from agl.strategies.registry import get
 from agl.testing.processes import GatewayProcess, ServeProcess, gateway_process, serve_process
 from experiments.guess.data import train_inputs, val_inputs
 from experiments.guess.harness import (

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from agl.core.client import GatewayClient, proxy_base_url
-from agl.core.records import Rollout
+from agl.core.contracts.records import Rollout
 from agl.testing.processes import GatewayProcess, gateway_process, serve_process
 from tests.harness_tasks import (
     TASK,

@@ -39,9 +39,10 @@ from agl.backends.execution.k8s import (
     job_name,
 )
 from agl.core.client import AsyncGatewayClient, GatewayClient
-from agl.core.controller import LOST, NO_STATUS, Controller
-from agl.core.failures import failure_cause, is_final
-from agl.core.records import Status
+from agl.core.contracts.execution import LOST, NO_STATUS
+from agl.core.contracts.failures import failure_cause, is_final
+from agl.core.contracts.records import Status
+from agl.core.controller.reconcile import Controller
 from agl.testing.faults import TcpProxy
 from agl.testing.k8s import ApiServer, NodeSimulator
 from agl.testing.processes import GatewayProcess, gateway_process

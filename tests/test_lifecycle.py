@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agl.core.lifecycle import IllegalTransition, apply_patch
-from agl.core.records import TRANSITIONS, Rollout, Status, StatusPatch
+from agl.core.contracts.records import TRANSITIONS, Rollout, Status, StatusPatch
+from agl.core.gateway.store.lifecycle import IllegalTransition, apply_patch
 
 
 def fresh(max_attempts: int = 3) -> Rollout:

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agl.core.assemble import FinishedRollout, assemble
-from agl.core.calls import invalid_reason, read_calls
 from agl.core.client import GatewayClient
-from agl.core.records import Event, Rollout, Status
+from agl.core.contracts.records import Event, Rollout, Status
+from agl.core.trainer.assemble import FinishedRollout, assemble
+from agl.core.trainer.calls import invalid_reason, read_calls
 from agl.strategies.advantage.rollout import rollout_advantage
 from agl.strategies.merge.prefix import prefix as merge_prefix
 from agl.testing.fake_vllm import BYTE_OFFSET, FakeVllm, encode

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl.core.calls import dedup
-from agl.core.registry import get, names
-from agl.core.types import BreakReason, ModelCall, Sample
+from agl.core.contracts.samples import BreakReason, ModelCall, Sample
+from agl.core.trainer.calls import dedup
+from agl.strategies.registry import get, names
 from tests.toy_traces import decode, traces
 
 EXACT = ("independent", "prefix", "tree")
@@ -194,8 +194,8 @@ def test_identical_calls_dedup_to_one(data: st.DataObject) -> None:
 
 
 def test_calls_from_events_keeps_trainable_model_requests_in_order() -> None:
-    from agl.core.calls import calls_from_events
-    from agl.core.records import Event
+    from agl.core.contracts.records import Event
+    from agl.core.trainer.calls import calls_from_events
 
     def event(seq: int, type: str, data: dict) -> Event:
         return Event(
@@ -222,7 +222,7 @@ def test_calls_from_events_keeps_trainable_model_requests_in_order() -> None:
 
 
 def test_merge_metrics_count_breaks_and_stitches() -> None:
-    from agl.core.metrics import merge_metrics
+    from agl.core.trainer.metrics import merge_metrics
 
     first = ModelCall([9], [1, 2], [-0.1, -0.2])
     retokenized = ModelCall([9, 5, 8, 3], [4], [-0.3])

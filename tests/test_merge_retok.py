@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from agl.core.calls import dedup
-from agl.core.registry import get
-from agl.core.types import BreakReason
+from agl.core.contracts.samples import BreakReason
+from agl.core.trainer.calls import dedup
+from agl.strategies.registry import get
 from agl.testing.retok import load_tokenizer
 from agl.testing.retok.traces import MECHANISMS, Rates, generate_traces
 from tests.test_merge import action_positions, contexts

@@ -1,14 +1,15 @@
 """Pending answers in the SQLite store: what a gateway that died before sending leaves
-for the next one (see agl.core.proxy)."""
+for the next one (see agl.core.gateway.proxy)."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
-from agl.core.records import EventIn, RolloutSpec, Status, StatusPatch
-from agl.core.sqlite_store import SqliteStore
-from agl.core.store import EventQuery, PendingAnswer
+from agl.core.contracts.queries import EventQuery
+from agl.core.contracts.records import EventIn, RolloutSpec, Status, StatusPatch
+from agl.core.gateway.store.base import PendingAnswer
+from agl.core.gateway.store.sqlite import SqliteStore
 
 HASH = b"h" * 32
 

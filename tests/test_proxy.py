@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from agl.core.client import GatewayClient
-from agl.core.records import Rollout
+from agl.core.contracts.records import Rollout
 from agl.testing.fake_vllm import EOS, FakeVllm, encode, logprob, prompt_ids, reply_for
 from agl.testing.processes import GatewayProcess
 from tests.conftest import agent, base_url, model_requests

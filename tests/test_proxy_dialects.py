@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from agl.core.client import GatewayClient
-from agl.core.records import Rollout
+from agl.core.contracts.records import Rollout
 from agl.testing.fake_vllm import EOS, FakeVllm, encode, reply_for
 from agl.testing.processes import GatewayProcess
 from tests.conftest import agent, anthropic_agent, model_requests, proxy_root

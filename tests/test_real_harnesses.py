@@ -44,7 +44,7 @@ import pytest
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
 from agl.core.client import GatewayClient, proxy_base_url
-from agl.core.records import Rollout
+from agl.core.contracts.records import Rollout
 from agl.testing.processes import GatewayProcess, gateway_process, serve_process
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl.core.merging import common_prefix_len
+from agl.strategies.merging import common_prefix_len
 from agl.testing.retok import SPECIAL_TOKENS, TOKENIZER_PATH, load_tokenizer
 from agl.testing.retok.make_tokenizer import PROSE_WORDS, tokenizer_json
 from agl.testing.retok.template import (

@@ -18,7 +18,7 @@ import pytest
 
 from agl.backends.execution.confine import unavailable
 from agl.backends.execution.local import LocalExecutor, LocalExecutorConfig
-from agl.core.records import Status
+from agl.core.contracts.records import Status
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess
 from tests.test_controller import group_final, new_group, running, specs

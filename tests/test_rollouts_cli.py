@@ -20,13 +20,13 @@ import pytest
 import yaml
 
 from agl.core.client import GatewayClient, proxy_base_url
-from agl.core.explain import Explanation, calls_from_events, explain
-from agl.core.records import Event, Rollout
-from agl.core.registry import get
-from agl.core.store import RolloutRow, SummaryQuery
-from agl.core.types import BreakReason
+from agl.core.contracts.queries import RolloutRow, SummaryQuery
+from agl.core.contracts.records import Event, Rollout
+from agl.core.contracts.samples import BreakReason
+from agl.core.run.folder import RunFolderError, load_run
+from agl.core.trainer.explain import Explanation, calls_from_events, explain
 from agl.rollouts import LS_PAGE, PAGE, Filters, listed, matching, spell, step_of
-from agl.runs import RunFolderError, load_run
+from agl.strategies.registry import get
 from agl.testing.fake_vllm import FakeVllm, encode, reply_for
 from agl.testing.processes import GatewayProcess, free_port, gateway_process
 

@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 
 from agl.backends.sampling import transformed_logprobs
 from agl.backends.training.torch import TorchBackend, TorchBackendConfig
-from agl.core.assemble import FinishedRollout, MergeStrategy, assemble
-from agl.core.calls import read_calls
 from agl.core.client import GatewayClient
-from agl.core.records import Status
-from agl.core.registry import get
-from agl.core.sampling import SamplingError, requested_sampling
-from agl.core.types import Sampling
+from agl.core.contracts.records import Status
+from agl.core.contracts.samples import Sampling
+from agl.core.contracts.sampling import SamplingError, requested_sampling
+from agl.core.trainer.assemble import FinishedRollout, MergeStrategy, assemble
+from agl.core.trainer.calls import read_calls
+from agl.strategies.registry import get
 from tests.conftest import agent, model_requests
 from tests.test_completions import Tiny, start, tiny, tiny_admin  # noqa: F401 - fixtures
 

@@ -36,7 +36,7 @@ from agl.backends.inference.hf import (
 )
 from agl.backends.inference.models import LoadedModel, load_model
 from agl.core.client import GatewayClient, proxy_base_url
-from agl.core.errors import ErrorResponse
+from agl.core.gateway.errors import ErrorResponse
 from agl.testing.processes import free_port, gateway_process, serve_process
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]

@@ -20,9 +20,9 @@ from agl.backends.training.torch import (
     packed_logprobs,
 )
 from agl.backends.training.tree import additive_mask, linear_parents, token_logprobs
-from agl.core.calls import dedup
-from agl.core.registry import get
-from agl.core.types import ModelCall, Sample, Sampling
+from agl.core.contracts.samples import ModelCall, Sample, Sampling
+from agl.core.trainer.calls import dedup
+from agl.strategies.registry import get
 from tests.toy_traces import traces
 
 VOCAB_SIZE = 64

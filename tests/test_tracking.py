@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from agl.core.tracking import Tracker
+from agl.core.run.tracking import Tracker
 
 
 def test_a_resumed_run_redoes_the_steps_after_its_checkpoint(tmp_path: Path) -> None:

@@ -18,9 +18,9 @@ import torch
 from agl.backends.sampling import transformed_logprobs
 from agl.backends.training.penalties import kl_penalty
 from agl.backends.training.torch import TorchBackend, TorchBackendConfig, packed_logprobs
-from agl.core.correction import CorrectionConfig, correct
-from agl.core.registry import get
-from agl.core.types import NO_TRANSFORM, Sample, Sampling
+from agl.core.contracts.samples import NO_TRANSFORM, Sample, Sampling
+from agl.core.trainer.correction import CorrectionConfig, correct
+from agl.strategies.registry import get
 from tests.test_torch_backend import VOCAB_SIZE, linear, make_model, one_thread  # noqa: F401
 
 HOT = Sampling(temperature=0.7)

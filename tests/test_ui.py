@@ -23,13 +23,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agl.core import gateway as gateway_module
 from agl.core.client import GatewayClient
-from agl.core.gateway import GatewayConfig, create_app
-from agl.core.merging import common_prefix_len
-from agl.core.records import EventIn, RolloutSpec, Status, StatusPatch
-from agl.core.sqlite_store import SqliteStore
-from agl.core.store import HISTORY_SINCE, EventQuery
+from agl.core.contracts.queries import HISTORY_SINCE, EventQuery
+from agl.core.contracts.records import EventIn, RolloutSpec, Status, StatusPatch
+from agl.core.gateway import app as gateway_module
+from agl.core.gateway.app import GatewayConfig, create_app
+from agl.core.gateway.store.sqlite import SqliteStore
+from agl.strategies.merging import common_prefix_len
 from agl.testing.processes import GatewayProcess, gateway_process
 from agl.ui.session import COOKIE, Sessions, session_value
 from agl.ui.throttle import LoginThrottle
@@ -790,9 +790,9 @@ def trained_run(short_run: Path) -> Path:
 
 def retokenized(gateway: GatewayProcess, run: Path) -> list[tuple[Any, Any]]:
     """The rollouts with a break whose two sides spell the same text, found here with
-    ``agl.core.explain`` over the events as the API gives them: (rollout, break)."""
-    from agl.core.explain import calls_from_events, explain
-    from agl.runs import load_run
+    ``agl.core.trainer.explain`` over the events as the API gives them: (rollout, break)."""
+    from agl.core.run.folder import load_run
+    from agl.core.trainer.explain import calls_from_events, explain
 
     info = load_run(run)
     merge, decode = info.merge(), info.decode_token()

@@ -79,9 +79,9 @@ from agl.backends.training.verl_layout import (
     split,
     unpad,
 )
-from agl.core.registry import get
-from agl.core.schedule import schedule
-from agl.core.types import Sample
+from agl.core.contracts.samples import Sample
+from agl.core.trainer.schedule import schedule
+from agl.strategies.registry import get
 
 CHECKS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LOSSES = ("token_mean", "seq_mean", "rollout_mean")

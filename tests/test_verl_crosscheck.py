@@ -20,14 +20,14 @@ verl's conventions (verl 0.9.1, ``verl/trainer/ppo/core_algos.py``), which agl f
 - Both broadcast the scalar over the response tokens (``adv * response_mask``).
 
 One deliberate deviation: agl gives a group of one advantage 0 under both estimators
-(``agl/core/estimators.py``: no baseline, so no signal), where verl gives grpo's lone
+(``agl/strategies/estimators.py``: no baseline, so no signal), where verl gives grpo's lone
 member ``r / (1 + 1e-6)`` and rloo's ``r``. The tests state it where it shows.
 
 - ``kl_penalty`` (``core_algos``): agl's ``agl/backends/training/penalties.kl_penalty``
   is the same function, every kind with and without the ``+`` (straight-through k2
   gradient) suffix: values and gradients.
 - Rollout correction (``verl/trainer/ppo/rollout_corr_helper.py``): agl's list version
-  (``agl/core/correction.py``) gives the weights of ``compute_rollout_correction_weights``
+  (``agl/core/trainer/correction.py``) gives the weights of ``compute_rollout_correction_weights``
   (token and sequence TIS, IcePop) and the masks of ``compute_rollout_rejection_mask``
   (every ``rollout_rs`` option, chained, with one or per-option thresholds).
 
@@ -59,9 +59,9 @@ from verl.trainer.ppo.rollout_corr_helper import (
 )
 
 from agl.backends.training.penalties import KL_KINDS, kl_penalty
-from agl.core.correction import RS_OPTIONS, CorrectionConfig, correct
-from agl.core.registry import get
-from agl.core.types import Sample
+from agl.core.contracts.samples import Sample
+from agl.core.trainer.correction import RS_OPTIONS, CorrectionConfig, correct
+from agl.strategies.registry import get
 
 TOL = 1e-5
 CHECKS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

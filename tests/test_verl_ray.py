@@ -47,7 +47,7 @@ from agl.backends.inference.models import load_model
 from agl.backends.training.torch import TorchBackend, TorchBackendConfig
 from agl.backends.training.verl import VerlBackendConfig
 from agl.backends.training.verl_ray import RayVerlPolicy, start_ray
-from agl.core.registry import get
+from agl.strategies.registry import get
 from tests.test_verl_backend import CLIP_HIGH, CLIP_LOW
 from tests.test_verl_sampling import SAMPLED, sampled_batch
 from tests.train_runs import run_train, trained_two_steps

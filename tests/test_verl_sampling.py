@@ -58,8 +58,8 @@ from agl.backends.training.verl import (
     to_dataproto,
 )
 from agl.backends.training.verl_layout import TokenTargets, join, split
-from agl.core.registry import get
-from agl.core.types import NO_TRANSFORM, Sample, Sampling
+from agl.core.contracts.samples import NO_TRANSFORM, Sample, Sampling
+from agl.strategies.registry import get
 from tests.test_verl_backend import CLIP_HIGH, CLIP_LOW, PAD, linear_samples, make_batch
 
 CHECKS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -41,8 +41,8 @@ from agl.backends.inference.vllm import (
     prometheus_sum,
 )
 from agl.core.client import GatewayClient, proxy_base_url
-from agl.core.proxy import Router
-from agl.core.records import Rollout
+from agl.core.contracts.records import Rollout
+from agl.core.gateway.proxy import Router
 from agl.testing.processes import GatewayProcess, gateway_process
 from tests.train_runs import run_train, trained_two_steps
 
@@ -244,10 +244,10 @@ def test_an_unchanged_policy_has_ratio_one_on_vllm(
     backend, scoring each token under the same transform on the same weights, gets ratio
     1 (mean |log ratio| < 1e-4) on every setting; scored at T = 1 it would not."""
     from agl.backends.training.torch import TorchBackend, TorchBackendConfig
-    from agl.core.assemble import FinishedRollout, MergeStrategy, assemble
-    from agl.core.calls import read_calls
-    from agl.core.records import Status
-    from agl.core.registry import get
+    from agl.core.contracts.records import Status
+    from agl.core.trainer.assemble import FinishedRollout, MergeStrategy, assemble
+    from agl.core.trainer.calls import read_calls
+    from agl.strategies.registry import get
 
     r = rollout_on(served)
     agent(served, r).chat.completions.create(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from agl.core.types import ModelCall
+from agl.core.contracts.samples import ModelCall
 
 VOCAB = {1: "a", 2: "b", 3: "c", 4: "d", 5: "ab", 6: "cd", 7: "abc", 8: "|", 9: "<s>", 10: "e"}
 BY_TEXT = {text: i for i, text in VOCAB.items()}

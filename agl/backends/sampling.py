@@ -1,6 +1,7 @@
-"""The one rule for what distribution a token was sampled from (``agl.core.types.Sampling``),
-in torch, shared by the embedded engine (which samples and records under it) and the
-training backends (which score the same tokens under it), so the two cannot drift.
+"""The one rule for what distribution a token was sampled from
+(``agl.core.contracts.samples.Sampling``), in torch, shared by the embedded engine (which
+samples and records under it) and the training backends (which score the same tokens under
+it), so the two cannot drift.
 
 ``logits / temperature``, then the ``top_k`` largest logits (ties at the k-th kept), then
 the smallest set of those whose renormalised mass reaches ``top_p`` (a token goes when the
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from agl.core.types import NO_TRANSFORM, Sampling
+from agl.core.contracts.samples import NO_TRANSFORM, Sampling
 
 
 def transformed_logprobs(

@@ -26,7 +26,8 @@ from typing import Any, Generic, TypeVar
 import httpx
 from pydantic import TypeAdapter
 
-from agl.core.records import (
+from agl.core.contracts.queries import RolloutRow, SummaryQuery, Transition
+from agl.core.contracts.records import (
     Admission,
     Event,
     EventIn,
@@ -36,7 +37,6 @@ from agl.core.records import (
     Status,
     StatusPatch,
 )
-from agl.core.store import RolloutRow, SummaryQuery, Transition
 
 log = logging.getLogger(__name__)
 

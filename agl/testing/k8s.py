@@ -48,7 +48,7 @@ from kubernetes import config as k8s_config
 from kubernetes.client import ApiClient, ApiException, V1Job
 from kubernetes.watch.watch import iter_resp_lines
 
-from agl.core.services import die_with_parent, free_port
+from agl.core.run.services import die_with_parent, free_port
 
 log = logging.getLogger(__name__)
 

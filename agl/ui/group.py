@@ -4,19 +4,18 @@ that the effect of a rollout splitting into several samples is visible."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from agl.core.assemble import FinishedRollout, MergeStrategy, assemble
-from agl.core.calls import shown_messages
-from agl.core.explain import calls_from_events
-from agl.core.records import Event, Rollout, Status
-from agl.core.store import Summary
+from agl.core.contracts.queries import Summary
+from agl.core.contracts.records import Event, Rollout, Status
+from agl.core.contracts.strategies import Advantage
+from agl.core.trainer.assemble import FinishedRollout, MergeStrategy, assemble
+from agl.core.trainer.calls import shown_messages
+from agl.core.trainer.explain import calls_from_events
 from agl.ui.views import MessageView, message_view
 
 LEVELS = ("rollout", "sample")  # the advantage strategies compared
-Advantage = Callable[[list[Any], dict[str, float]], list[float]]
 
 
 @dataclass
@@ -37,7 +36,7 @@ def cards(
     """One card per rollout; ``events`` holds the current attempt's events of those
     whose conversation and samples are shown. With a ``merge`` and ``advantages``
     (level → strategy), each card gets its samples' advantages at each level, computed
-    as the trainer does (``agl.core.assemble``) over the group's finished rollouts."""
+    as the trainer does (``agl.core.trainer.assemble``) over the group's finished rollouts."""
     out = []
     finished = []
     decode = None if merge is None else merge.decode  # the trainer's check of ids vs text

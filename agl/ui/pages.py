@@ -15,25 +15,26 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, Request
 from starlette.datastructures import QueryParams
 from starlette.responses import Response
 
-from agl.core.auth import bearer
-from agl.core.query import INT64_MAX, INT64_MIN, whole_number
-from agl.core.records import Event, Rollout, Status
-from agl.core.store import (
+from agl.core.contracts.queries import (
     HISTORY_SINCE,
     EventQuery,
     SortKey,
-    Store,
     Summary,
     SummaryQuery,
     Transition,
 )
+from agl.core.contracts.records import Event, Rollout, Status
+from agl.core.gateway.auth import Keyring, bearer
+from agl.core.gateway.query import INT64_MAX, INT64_MIN, whole_number
+from agl.core.gateway.store.base import Store
+from agl.core.run.build import make_advantage
 from agl.ui import session, views
 from agl.ui.agentlog import agent_log
 from agl.ui.group import LEVELS, cards
@@ -41,9 +42,6 @@ from agl.ui.render import render
 from agl.ui.run import RunFolder
 from agl.ui.samples import Explained, explain_attempt
 from agl.ui.throttle import LoginThrottle
-
-if TYPE_CHECKING:
-    from agl.core.gateway import Gateway
 
 PAGE_SIZE = 50
 MAX_PAGE = INT64_MAX // PAGE_SIZE  # the last page whose offset SQLite can bind
@@ -93,17 +91,17 @@ def _redirect(location: str, headers: Mapping[str, str] | None = None) -> Respon
 
 
 def router(
-    gateway: Callable[[], Gateway], sessions: session.Sessions, folder: Path | None
+    store: Callable[[], Store],
+    keyring: Callable[[], Keyring],
+    sessions: session.Sessions,
+    folder: Path | None,
 ) -> APIRouter:
-    """The ``/ui`` routes over ``gateway()``'s store; the admin token of ``sessions``
-    opens them; ``folder`` is the run folder (None: samples, advantages and agent logs not
-    shown)."""
+    """The ``/ui`` routes over ``store()`` (the gateway's, once it has started); the
+    admin token (of ``keyring()``, typed into ``sessions``' login) opens them; ``folder``
+    is the run folder (None: samples, advantages and agent logs not shown)."""
     ui = APIRouter(prefix="/ui", include_in_schema=False)
     run = RunFolder(folder)
     throttle = LoginThrottle()
-
-    def store() -> Store:
-        return gateway().store
 
     def refusal(request: Request) -> Response | None:
         """None when the request may see the pages: the session cookie, or the admin
@@ -113,7 +111,7 @@ def router(
         header = request.headers.get("authorization")
         if header is not None:
             token = bearer(header)
-            principal = None if token is None else gateway().keyring.identify(token)
+            principal = None if token is None else keyring().identify(token)
             if principal is not None and principal.admin:
                 return None
             if principal is not None:
@@ -169,7 +167,7 @@ def router(
             throttle.succeeded(address)
             return _redirect(target, {"Set-Cookie": sessions.start()})
         throttle.failed(address)
-        principal = gateway().keyring.identify(typed.strip()) if typed.strip() else None
+        principal = keyring().identify(typed.strip()) if typed.strip() else None
         if principal is not None and not principal.admin:
             message, status = "An attempt key does not open the viewer: use the admin token.", 403
         else:
@@ -455,8 +453,6 @@ def _group_page(
     if info is None:
         why = run.problem or "Advantages need the run folder (its config.yaml): none was found."
     else:
-        from agl.train import make_advantage  # agl.runs has imported it already
-
         merge = info.merge()
         # Both levels with the run's options (estimator, scale), built as the trainer does.
         advantages = {

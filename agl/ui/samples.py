@@ -1,4 +1,4 @@
-"""How an attempt's calls became samples, for the rollout page: ``agl.core.explain``'s
+"""How an attempt's calls became samples, for the rollout page: ``agl.core.trainer.explain``'s
 account turned into rows and token strips (which token to highlight, how each side split
 the text)."""
 
@@ -8,10 +8,10 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from agl.core.assemble import MergeStrategy
-from agl.core.explain import BreakDetail, Stitch, calls_from_events, explain
-from agl.core.merging import common_prefix_len
-from agl.core.records import Event
+from agl.core.contracts.records import Event
+from agl.core.trainer.assemble import MergeStrategy
+from agl.core.trainer.explain import BreakDetail, Stitch, calls_from_events, explain
+from agl.strategies.merging import common_prefix_len
 
 log = logging.getLogger(__name__)
 

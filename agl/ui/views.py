@@ -13,10 +13,10 @@ from typing import Any
 
 import orjson
 
-from agl.core.calls import dedup, read_calls, shown_messages
-from agl.core.records import MODEL_REQUEST, MODEL_REQUEST_FAILED, Event, Rollout, Status
-from agl.core.store import Summary, Transition
-from agl.core.types import ModelCall
+from agl.core.contracts.queries import Summary, Transition
+from agl.core.contracts.records import MODEL_REQUEST, MODEL_REQUEST_FAILED, Event, Rollout, Status
+from agl.core.contracts.samples import ModelCall
+from agl.core.trainer.calls import dedup, read_calls, shown_messages
 
 REWARD = "reward"
 
@@ -184,7 +184,7 @@ def _calls(
     events: Sequence[Event], decode: Callable[[list[int]], str] | None
 ) -> tuple[dict[int, int], dict[int, str]]:
     """For each ``model_request`` event (by sequence), its index among the calls the
-    trainer keeps, or why it is left out: the reason ``agl.core.calls.read_calls`` gives
+    trainer keeps, or why it is left out: the reason ``agl.core.trainer.calls.read_calls`` gives
     (with ``decode``, the run's tokenizer, as the trainer has it), or "retried" (a later
     call has the same prompt: ``dedup``)."""
     why: dict[int, str] = {}

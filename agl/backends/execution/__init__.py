@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from agl.core.controller import Executor
+    from agl.core.contracts.execution import Executor
 
 
 def make_executor(

@@ -60,7 +60,7 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
-from agl.core.controller import ORPHANED, Exit, Key, Launch
+from agl.core.contracts.execution import ORPHANED, Exit, Key, Launch
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ ROLE = "agl.dev/role"
 ROLLOUT_ID = "agl.dev/rollout-id"  # annotation: the exact id (a label value is limited)
 KEY_ENV = "OPENAI_API_KEY"
 SECRET_KEY = "api-key"
-# The report key (agl/core/auth.py) rides in the same Secret; the Job's ``python -m
+# The report key (agl/core/gateway/auth.py) rides in the same Secret; the Job's ``python -m
 # agl.agent`` takes it out of its environment before the harness starts.
 REPORT_ENV = "AGL_REPORT_KEY"
 REPORT_SECRET_KEY = "report-key"
@@ -389,7 +389,7 @@ class K8sStats:
 
 
 class K8sExecutor:
-    """Implements ``agl.core.controller.Executor`` with Kubernetes Jobs (``detached``:
+    """Implements ``agl.core.controller.reconcile.Executor`` with Kubernetes Jobs (``detached``:
     the Jobs outlive this process; the next controller adopts them)."""
 
     def __init__(self, config: K8sExecutorConfig, *, base_dir: Path | None = None) -> None:

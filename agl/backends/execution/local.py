@@ -49,9 +49,9 @@ import orjson
 from agl.agent import ENV_GRADED, ENV_REPORT_FD, ENV_WORKSPACE, AgentContext, report_pipe
 from agl.backends.execution.confine import confined, unavailable
 from agl.backends.execution.worker import READ_LIMIT, one_line, split_harness
-from agl.core.controller import ORPHANED, Exit, Key, Launch
-from agl.core.failures import GRADER_RAISED
-from agl.core.services import die_with_parent
+from agl.core.contracts.execution import ORPHANED, Exit, Key, Launch
+from agl.core.contracts.failures import GRADER_RAISED
+from agl.core.run.services import die_with_parent
 from agl.grading import Grader, GradeRequest, as_grade, load_grader, post_grade
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def _base_env(extra_pythonpath: list[str]) -> dict[str, str]:
 
 
 class LocalExecutor:
-    """Implements ``agl.core.controller.Executor`` with local processes.
+    """Implements ``agl.core.controller.reconcile.Executor`` with local processes.
 
     Invariants: every launched attempt yields exactly one ``Exit`` (unless ``close()``
     comes first); a (rollout, attempt) already running is not launched again;

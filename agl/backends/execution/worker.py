@@ -51,7 +51,7 @@ import orjson
 
 from agl.agent import ENV_ATTEMPT, ENV_ROLLOUT, holding_report_key, undumpable
 from agl.core.client import fast_http_client
-from agl.core.controller import ORPHANED
+from agl.core.contracts.execution import ORPHANED
 
 log = logging.getLogger(__name__)
 

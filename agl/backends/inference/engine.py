@@ -45,7 +45,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from agl.backends.sampling import logprobs_under
-from agl.core.types import Sampling
+from agl.core.contracts.samples import Sampling
 
 log = logging.getLogger(__name__)
 

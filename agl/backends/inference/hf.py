@@ -44,9 +44,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from agl.backends.inference.byte_level import byte_level_chars
 from agl.backends.inference.engine import Delta, Engine, EngineError, Generation, SamplingParams
-from agl.core.byte_level import byte_level_chars
-from agl.core.errors import ApiError, error_body, error_response
+from agl.core.gateway.errors import ApiError, error_body, error_response
 
 log = logging.getLogger(__name__)
 

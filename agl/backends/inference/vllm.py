@@ -57,8 +57,8 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from agl.core.records import ModelEndpoint
-from agl.core.services import free_port
+from agl.core.contracts.records import ModelEndpoint
+from agl.core.run.services import free_port
 
 log = logging.getLogger(__name__)
 

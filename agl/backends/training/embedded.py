@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from agl.backends.training.torch import TorchBackend
-from agl.core.trainer import Loss
-from agl.core.types import Sample
+from agl.core.contracts.samples import Sample
+from agl.core.contracts.strategies import Loss
 
 CHECKPOINT = "policy.pt"
 

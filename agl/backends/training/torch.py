@@ -1,9 +1,9 @@
 """The embedded training backend: PPO-clip on packed sequences, one HF model, AdamW.
 
-One ``train()`` call is one training step. The step is cut by :func:`agl.core.schedule.schedule`
-into optimizer mini-batches (a rollout's samples stay in one) and micro-batches (packed up to
-``max_tokens_per_micro_batch`` tokens); each mini-batch is one AdamW update, its gradient
-accumulated over its micro-batches.
+One ``train()`` call is one training step. The step is cut by
+:func:`agl.core.trainer.schedule.schedule` into optimizer mini-batches (a rollout's samples
+stay in one) and micro-batches (packed up to ``max_tokens_per_micro_batch`` tokens); each
+mini-batch is one AdamW update, its gradient accumulated over its micro-batches.
 
 Invariants:
   - **Exact accumulation.** The loss strategy's per-token weights are computed once per
@@ -30,7 +30,7 @@ logp_old)`` and the sample's advantage ``A``,
 Every logprob (new, old, reference) and the entropy are of the distribution the token was
 sampled from: each token's ``Sample.sampling`` (temperature, top-k, top-p) applied to the
 logits (``agl.backends.sampling``), as the engine applied it. ``logp_old`` is the recorded
-(behaviour) logprob; with a rollout correction on (``agl.core.correction``) it is the
+(behaviour) logprob; with a rollout correction on (``agl.core.trainer.correction``) it is the
 trainer's own logprob at the start of the step, and ``is_weight`` its truncated ratio to
 the recorded one; tokens the rejection masks stop being actions before the loss strategy
 computes the weights.
@@ -53,13 +53,13 @@ from agl.backends.sampling import logprobs_under
 from agl.backends.training.lr_schedule import LrSchedule
 from agl.backends.training.penalties import Guards, entropy_of, kl_penalty
 from agl.backends.training.tree import ancestor_mask
-from agl.core.correction import correct
-from agl.core.schedule import MiniBatch, schedule
-from agl.core.types import NO_TRANSFORM, Sample, Sampling
+from agl.core.contracts.samples import NO_TRANSFORM, Sample, Sampling
+from agl.core.contracts.strategies import Loss
+from agl.core.trainer.correction import correct
+from agl.core.trainer.schedule import MiniBatch, schedule
 
 logger = logging.getLogger(__name__)
 
-LossFn = Callable[[list[Sample]], list[list[float]]]
 
 # verl clamps the log-ratio before exp: beyond e^±20 the token is clipped anyway (or its
 # loss is hopeless), and an inf ratio would turn the whole step into NaN.
@@ -341,9 +341,7 @@ class TorchBackend:
 
     # -- public API
 
-    def train(
-        self, samples: list[Sample], advantages: list[float], loss: LossFn
-    ) -> dict[str, float]:
+    def train(self, samples: list[Sample], advantages: list[float], loss: Loss) -> dict[str, float]:
         """One step: one AdamW update per mini-batch; answers the step's metrics.
 
         ``loss`` (a loss strategy) is called once per mini-batch with that mini-batch's
@@ -455,7 +453,7 @@ class TorchBackend:
     # -- one mini-batch
 
     def _weights(
-        self, samples: list[Sample], mini: MiniBatch, loss: LossFn
+        self, samples: list[Sample], mini: MiniBatch, loss: Loss
     ) -> dict[int, list[float]]:
         """Loss weights of the mini-batch's samples (by index in ``samples``)."""
         indices = mini.sample_indices

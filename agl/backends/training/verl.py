@@ -12,7 +12,7 @@ The path of one ``train()`` (:class:`VerlPolicy`):
    ``compute_log_prob``/``compute_ref_log_prob``) where the step needs it: the KL
    reference's logprobs (``kl_coef``), and under a rollout correction (``rollout_is``/
    ``rollout_rs``) π_old, the current weights' own logprobs. The correction
-   (``agl.core.correction``, as ``TorchBackend`` applies it) gives each action token its
+   (``agl.core.trainer.correction``, as ``TorchBackend`` applies it) gives each action token its
    IS weight and makes the rejected tokens context, all before the loss strategy sees
    the samples.
 3. The loss strategy's weights are computed once per mini-batch, exactly as in
@@ -87,7 +87,6 @@ import logging
 import math
 import os
 import shutil
-import socket
 import tempfile
 import time
 import types
@@ -109,9 +108,11 @@ from agl.backends.training.verl_layout import (
     split,
     unpad,
 )
-from agl.core.correction import CorrectionConfig, correct
-from agl.core.schedule import schedule
-from agl.core.types import Sample
+from agl.core.contracts.samples import Sample
+from agl.core.contracts.strategies import Loss
+from agl.core.run.services import free_port
+from agl.core.trainer.correction import CorrectionConfig, correct
+from agl.core.trainer.schedule import schedule
 
 if TYPE_CHECKING:
     import torch
@@ -120,7 +121,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-LossFn = Callable[[list[Sample]], list[list[float]]]
 
 # Above e^20 (verl clamps the log-ratio to ±20), so verl's dual clip never binds and the
 # objective is agl's plain PPO-clip.
@@ -129,7 +129,7 @@ NO_DUAL_CLIP = 1.0e9
 # The engine key (``VERL_ENGINE_DEVICE``) of verl's FSDP engine with agl's sampling
 # transform (:func:`sampling_engine`), on every device.
 SAMPLING_ENGINE = "agl-sampling"
-# Per response column: each token's sampling transform (``agl.core.types.Sampling``).
+# Per response column: each token's sampling transform (``agl.core.contracts.samples.Sampling``).
 SAMPLING_KEYS = ("agl_temperature", "agl_top_k", "agl_top_p")
 
 __all__ = [
@@ -774,12 +774,6 @@ class _CPUDeviceModule(types.ModuleType):
 _CPU_DEVICE_MODULE = _CPUDeviceModule("agl_verl_cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def ensure_process_group() -> None:
     """A 1-process group (gloo on CPU) unless one is running; sets the env verl's
     ``Worker`` reads (RANK, WORLD_SIZE, MASTER_ADDR/PORT) where unset."""
@@ -796,13 +790,13 @@ def ensure_process_group() -> None:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
     os.environ.setdefault("RANK", str(dist.get_rank()))
     os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
 _engine_serial = [0]
@@ -1125,7 +1119,7 @@ class VerlPolicy:
         self,
         samples: list[Sample],
         advantages: list[float],
-        loss: LossFn,
+        loss: Loss,
     ) -> dict[str, float]:
         """One step: one verl update per agl mini-batch; answers the step's metrics.
 
@@ -1305,7 +1299,7 @@ def lr_step(worker: Any) -> float:
     return lr
 
 
-def _weights(samples: list[Sample], loss: LossFn) -> list[list[float]]:
+def _weights(samples: list[Sample], loss: Loss) -> list[list[float]]:
     """The loss strategy's weights over one mini-batch (as ``TorchBackend._weights``);
     negative weights are refused (folding needs ``w ≥ 0``)."""
     computed = loss(samples)

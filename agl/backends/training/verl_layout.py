@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from agl.core.types import NO_TRANSFORM, Sample, Sampling
+from agl.core.contracts.samples import NO_TRANSFORM, Sample, Sampling
 
 
 class TreeSampleError(ValueError):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from agl.core.estimators import estimate, reward_of
-from agl.core.registry import register
-from agl.core.types import Sample
+from agl.core.contracts.samples import Sample
+from agl.strategies.estimators import estimate, reward_of
+from agl.strategies.registry import register
 
 
 @register("advantage", "sample")

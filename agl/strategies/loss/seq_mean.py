@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agl.core.registry import register
-from agl.core.types import Sample
-from agl.core.weights import per_token
+from agl.core.contracts.samples import Sample
+from agl.strategies.registry import register
+from agl.strategies.weights import per_token
 
 
 @register("loss", "seq_mean")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agl.core.merging import start
-from agl.core.registry import register
-from agl.core.types import BreakReason, ModelCall, Sample
+from agl.core.contracts.samples import BreakReason, ModelCall, Sample
+from agl.strategies.merging import start
+from agl.strategies.registry import register
 
 
 @register("merge", "independent")

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agl.core.merging import LinearSample, start
-from agl.core.registry import register
-from agl.core.types import ModelCall, Sample
+from agl.core.contracts.samples import ModelCall, Sample
+from agl.strategies.merging import LinearSample, start
+from agl.strategies.registry import register
 
 
 @register("merge", "prefix")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from agl.core.merging import LinearSample, common_prefix_len, start
-from agl.core.registry import register
-from agl.core.types import ModelCall, Sample
+from agl.core.contracts.samples import ModelCall, Sample
+from agl.strategies.merging import LinearSample, common_prefix_len, start
+from agl.strategies.registry import register
 
 Decode = Callable[[list[int]], str]
 

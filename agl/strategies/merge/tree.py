@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agl.core.registry import register
-from agl.core.types import ModelCall, Sample
+from agl.core.contracts.samples import ModelCall, Sample
+from agl.strategies.registry import register
 
 
 @register("merge", "tree")

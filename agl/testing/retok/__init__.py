@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from agl.core.byte_level import byte_level_chars
+from agl.backends.inference.byte_level import byte_level_chars
 
 TOKENIZER_PATH = Path(__file__).with_name("tokenizer.json")
 

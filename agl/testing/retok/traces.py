@@ -33,7 +33,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agl.core.types import ModelCall
+from agl.core.contracts.samples import ModelCall
 from agl.testing.retok import RetokTokenizer, load_tokenizer
 from agl.testing.retok.make_tokenizer import (
     FUNCTIONS,

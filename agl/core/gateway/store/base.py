@@ -1,0 +1,143 @@
+"""The gateway's storage interface.
+
+The gateway talks to storage only through :class:`Store`, so another database (a
+PostgreSQL URL) can replace the embedded SQLite file. Contract for every implementation:
+
+- a coroutine that returns has made its writes durable: the gateway acknowledges a
+  request only after the store call returned;
+- creating rollouts and appending events are idempotent by their caller-chosen ids;
+- status changes go through :func:`agl.core.gateway.store.lifecycle.apply_patch` atomically with the
+  read of the current state;
+- each appended event updates its attempt's :class:`Summary`, and each status change
+  appends a :class:`Transition`, in the same transaction, so the viewer reads both
+  without parsing events;
+- a :class:`PendingAnswer` is stored atomically with its call's events and kept until the
+  proxy says it was delivered, another gateway process claims it, or its rollout stops
+  running.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from agl.core.contracts.queries import (
+    EventQuery,
+    RolloutQuery,
+    RolloutRow,
+    Summary,
+    SummaryQuery,
+    Transition,
+)
+from agl.core.contracts.records import (
+    Event,
+    EventIn,
+    ModelEndpoint,
+    Rollout,
+    RolloutSpec,
+    StatusPatch,
+)
+
+
+class NotFound(Exception):
+    """An unknown rollout or attempt."""
+
+
+@dataclass(frozen=True)
+class PendingAnswer:
+    """A proxied call's answer, kept from the moment its call is recorded until it is
+    known to have been sent. A gateway killed in between leaves it behind; the harness's
+    retry of the same request then gets these bytes, and the call is recorded once.
+
+    ``answer_id`` is the first ``model_request`` event's id; ``boot`` names the gateway
+    process that holds the answer (see :meth:`Store.claim_answer`)."""
+
+    answer_id: str
+    request_hash: bytes
+    boot: str
+    body: bytes
+    stream: bool
+
+
+class Store(ABC):
+    @abstractmethod
+    async def create_rollouts(self, specs: Sequence[RolloutSpec], now: float) -> list[Rollout]:
+        """Insert the rollouts whose ids are new; answer all of them as stored."""
+
+    @abstractmethod
+    async def get_rollout(self, rollout_id: str) -> Rollout | None: ...
+
+    @abstractmethod
+    async def list_rollouts(self, query: RolloutQuery) -> tuple[list[Rollout], int | None]:
+        """One page in creation order, and the cursor of the next page (None at the end)."""
+
+    @abstractmethod
+    async def patch_rollout(self, rollout_id: str, patch: StatusPatch, now: float) -> Rollout:
+        """Apply a status change; raises NotFound or IllegalTransition."""
+
+    @abstractmethod
+    async def expire_running(self, now: float, error: str) -> list[Rollout]:
+        """Fail every running rollout whose ``timeout_s`` has passed; answer them."""
+
+    @abstractmethod
+    async def append_events(
+        self,
+        rollout_id: str,
+        attempt: int,
+        events: Sequence[EventIn],
+        now: float,
+        pending: PendingAnswer | None = None,
+    ) -> list[Event]:
+        """Append events with ids assigned where missing; a known id is not appended again.
+        ``pending`` is stored in the same transaction."""
+
+    @abstractmethod
+    async def claim_answer(
+        self, rollout_id: str, attempt: int, request_hash: bytes, boot: str
+    ) -> PendingAnswer | None:
+        """The oldest pending answer to this request held by a process other than
+        ``boot`` (one that died before sending it), now held by ``boot``; None if none."""
+
+    @abstractmethod
+    async def answer_delivered(self, rollout_id: str, attempt: int, answer_id: str) -> None:
+        """Forget a pending answer: it was sent."""
+
+    @abstractmethod
+    async def list_events(self, rollout_id: str, query: EventQuery) -> list[Event]: ...
+
+    @abstractmethod
+    async def query_rollouts(self, query: SummaryQuery) -> tuple[list[RolloutRow], int]:
+        """One page of rollouts with their summaries, and how many match in all."""
+
+    @abstractmethod
+    async def summaries(self, rollout_id: str) -> list[Summary]:
+        """The summary of each attempt that has events, by attempt."""
+
+    @abstractmethod
+    async def transitions(self, rollout_id: str) -> list[Transition]:
+        """The rollout's status changes in order (creation, as ``queuing``, is not one)."""
+
+    @abstractmethod
+    async def put_models(self, models: Sequence[ModelEndpoint]) -> None:
+        """Register endpoints; registering one again updates its policy_version."""
+
+    @abstractmethod
+    async def delete_models(self, model: str | None) -> int:
+        """Remove the endpoints of ``model`` (all when None); answer how many went."""
+
+    @abstractmethod
+    async def list_models(self) -> list[ModelEndpoint]: ...
+
+    @abstractmethod
+    async def get_meta(self, key: str) -> str | None: ...
+
+    @abstractmethod
+    async def set_meta(self, key: str, value: str) -> None: ...
+
+    @abstractmethod
+    async def set_meta_once(self, key: str, value: str) -> str:
+        """Store ``value`` unless the key has one already; answer the stored value."""
+
+    @abstractmethod
+    async def close(self) -> None: ...

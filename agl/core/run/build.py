@@ -1,0 +1,184 @@
+"""What a run is made of, built from its composed config: the merge and advantage
+strategies, the model, the training backend and policy, the inference service and the
+executor. ``agl.train`` runs them; the viewer and ``agl.rollouts`` rebuild a finished
+run's strategies with the same functions, so what they explain is what was trained.
+
+Every function raises :class:`UserError` (one line) for a config it cannot honour.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agl.core.run.errors import UserError
+
+if TYPE_CHECKING:
+    from agl.backends.inference.models import LoadedModel
+    from agl.backends.inference.service import InferenceService
+    from agl.core.contracts.execution import Executor
+    from agl.core.contracts.strategies import Advantage
+    from agl.core.contracts.training import Policy
+    from agl.core.trainer.assemble import MergeStrategy
+
+ROOT = Path(__file__).resolve().parents[3]
+CONF = ROOT / "conf"
+
+
+def backend_config(group: dict[str, Any], steps: int) -> Any:
+    """The training backend's config from ``backend=...`` for a run of ``steps``
+    (TypeError, ValueError)."""
+    options = _options(group)
+    options["total_training_steps"] = steps  # the lr schedule's length, as verl's trainer
+    options["betas"] = tuple(options.get("betas", (0.9, 0.999)))
+    if group["name"] == "torch":
+        from agl.backends.training.torch import TorchBackendConfig
+
+        options.pop("torch_threads", None)
+        return TorchBackendConfig(**options)
+    if group["name"] == "verl":
+        try:
+            from agl.backends.training.verl import VerlBackendConfig
+        except ImportError as error:
+            raise UserError(
+                f"backend=verl needs verl 0.9.1 ({error}): pip install -e '.[verl]' && "
+                "pip install --no-deps verl==0.9.1"
+            ) from None
+        return VerlBackendConfig(**options)
+    raise UserError(f"backend={group['name']}: no such training backend")
+
+
+def policy_for(config: Any, loaded: LoadedModel, server: InferenceService, run_dir: Path) -> Policy:
+    """The training side over the module ``server`` serves (updated in place, then
+    published): agl's torch backend, or verl's actor update."""
+    from agl.backends.training.torch import TorchBackendConfig
+
+    if isinstance(config, TorchBackendConfig):
+        from agl.backends.training.embedded import EmbeddedPolicy
+        from agl.backends.training.torch import TorchBackend
+
+        return EmbeddedPolicy(TorchBackend(loaded.model, config), server.paused)
+    from agl.backends.training.verl import VerlPolicy
+
+    if config.on_ray:  # backend.ranks > 1: verl's FSDP workers on Ray
+        from agl.backends.training.verl_ray import RayVerlPolicy
+
+        return RayVerlPolicy(
+            loaded.model,
+            config,
+            tokenizer=loaded.tokenizer,
+            paused=server.paused,
+            work_dir=run_dir / "verl",
+        )
+    return VerlPolicy(
+        loaded.model,
+        config,
+        tokenizer=loaded.tokenizer,
+        paused=server.paused,
+        work_dir=run_dir / "verl",
+    )
+
+
+def inference_service(
+    options: dict[str, Any], loaded: LoadedModel, cfg: Any, run_dir: Path
+) -> InferenceService:
+    """The inference engine ``inference=...`` names, serving ``loaded`` (not yet started)."""
+    settings = _options(options)
+    max_context = cfg.model.get("max_context") or loaded.max_context
+    try:
+        if options["name"] == "embedded":
+            from agl.backends.inference.embedded import EmbeddedServer
+
+            return EmbeddedServer(
+                loaded.model,
+                loaded.tokenizer,
+                loaded.name,
+                host=settings["host"],
+                port=settings["port"],
+                max_batch_size=settings["max_batch_size"],
+                max_context=max_context,
+                seed=cfg.seed,
+                num_threads=settings["torch_threads"],
+            )
+        if options["name"] == "vllm":
+            from agl.backends.inference.vllm import VllmOptions, VllmServers
+
+            settings["max_model_len"] = settings.get("max_model_len") or max_context
+            return VllmServers(
+                loaded.model, loaded.tokenizer, loaded.name, run_dir, VllmOptions(**settings)
+            )
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"inference={options['name']}: {error}") from None
+    raise UserError(f"inference={options['name']}: no such inference engine")
+
+
+def executor_for(
+    options: dict[str, Any],
+    harness: str,
+    run_dir: Path,
+    agent_gateway_url: str,
+    grader: str | None = None,
+) -> Executor:
+    """The executor ``controller=...`` names; UserError (one line) if it cannot be had."""
+    from agl.backends.execution import make_executor
+
+    settings = {
+        k: v
+        for k, v in _options(options).items()
+        if k not in ("poll_s", "reconcile_s", "agent_gateway_url")
+    }
+    try:
+        return make_executor(
+            options["name"],
+            settings,
+            harness=harness,
+            run_dir=run_dir,
+            agent_gateway_url=agent_gateway_url,
+            extra_pythonpath=[str(ROOT)],
+            base_dir=ROOT,
+            grader=grader,
+        )
+    except ValueError as error:
+        raise UserError(f"controller={options['name']}: {error}") from None
+
+
+def make_merge(
+    group: dict[str, Any], decode: Callable[[Sequence[int]], str] | None = None
+) -> MergeStrategy:
+    """The merge strategy of a resolved ``merge`` config group, with its options;
+    ``decode`` goes to the strategies that compare texts (stitch). ``agl.core.run.folder`` builds a
+    finished run's strategy with this too, so what it explains is what was trained."""
+    from agl.core.trainer.assemble import MergeStrategy
+    from agl.strategies.registry import get
+
+    return MergeStrategy(get("merge", group["name"]), _options(group), decode=decode)
+
+
+def make_advantage(group: dict[str, Any]) -> Advantage:
+    """The advantage function of a resolved ``advantage`` config group, its options bound."""
+    from agl.strategies.registry import get
+
+    return functools.partial(get("advantage", group["name"]), **_options(group))
+
+
+def load_configured_model(group: dict[str, Any]) -> LoadedModel:
+    """The model of a resolved ``model`` config group (ValueError, ModelUnavailable)."""
+    from agl.backends.inference.models import load_model
+
+    cache_dir = group.get("cache_dir")
+    return load_model(
+        group["name"],
+        cache_dir=Path(cache_dir) if cache_dir else None,
+        seed=group.get("seed", 0),
+    )
+
+
+def text_decode(tokenizer: Any) -> Callable[[Sequence[int]], str]:
+    """The text of token ids as merge strategies compare it: special tokens kept."""
+    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def _options(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "name"}

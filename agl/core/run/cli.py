@@ -1,0 +1,63 @@
+"""``key=value`` command lines for agl's services, read into a dataclass of options.
+
+A bad option ends the program with one line that says what is wrong, never a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, TypeVar, get_type_hints
+
+from agl.core.run.errors import UserError
+
+C = TypeVar("C")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_overrides(config_type: type[C], argv: list[str]) -> C:
+    """The config with each ``key=value`` of ``argv`` applied, values typed by the field."""
+    fields = {f.name: f for f in dataclasses.fields(config_type)}  # type: ignore[arg-type]
+    hints = get_type_hints(config_type)
+    values: dict[str, Any] = {}
+    for arg in argv:
+        key, sep, raw = arg.partition("=")
+        if not sep:
+            raise UserError(f"expected key=value, got {arg!r}")
+        if key not in fields:
+            raise UserError(f"unknown option {key!r}; options: {', '.join(fields)}")
+        values[key] = _convert(key, raw, hints[key])
+    try:
+        return config_type(**values)
+    except ValueError as error:  # the config's own checks (__post_init__)
+        raise UserError(str(error)) from None
+
+
+def check_port(port: int) -> None:
+    if not 0 < port < 65536:
+        raise ValueError(f"port={port} is not a TCP port (1-65535)")
+
+
+def _convert(key: str, raw: str, kind: Any) -> Any:
+    try:
+        if kind is bool:
+            if raw.lower() in _TRUE:
+                return True
+            if raw.lower() in _FALSE:
+                return False
+            raise ValueError
+        if kind in (int, float):
+            return kind(raw)
+    except ValueError:
+        raise UserError(f"option {key}={raw!r} is not a valid {kind.__name__}") from None
+    return raw
+
+
+def parse_or_exit(config_type: type[C], argv: list[str], program: str) -> C:
+    try:
+        return parse_overrides(config_type, argv)
+    except UserError as error:
+        sys.stderr.write(f"{program}: {error}\n")
+        raise SystemExit(2) from None

@@ -1,0 +1,210 @@
+"""Child services of a training run: the gateway as its own process (its own GIL, its own
+crash domain), tied to the trainer's lifetime so that nothing outlives a run — also on
+Ctrl-C, a crash, or ``kill -9`` of the trainer (Linux: the kernel's parent-death signal,
+set by :func:`die_with_parent`, which the agent workers use too).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from agl.core.gateway.private_files import private_dir
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+_PREEXEC: dict[int, Callable[[], None] | None] = {}
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks Linux to SIGKILL the child when its parent dies, also by
+    ``kill -9`` (``PR_SET_PDEATHSIG``); None elsewhere. libc is loaded here, once per
+    process, so the forked child only makes two system calls (no dlopen after fork, which
+    is what makes a ``preexec_fn`` unsafe in a parent running threads)."""
+    if os.getpid() not in _PREEXEC:
+        _PREEXEC[os.getpid()] = _make_preexec()
+    return _PREEXEC[os.getpid()]
+
+
+def _make_preexec() -> Callable[[], None] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(_family(host)) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(_family(host)) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def connect_host(host: str) -> str:
+    """Where to reach a server bound to ``host``: loopback for a wildcard address, an IPv6
+    literal in brackets (a URL's form)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+class ChildGateway:
+    """``python -m agl.gateway`` as a child process with a fresh admin token, restarted on
+    its store (same port, same token) if it dies: clients retry through the gap, so a
+    run outlives a crashed or killed gateway.
+
+    The token (32 random bytes) goes to the child as ``AGL_ADMIN_TOKEN``, which counts as
+    a secret configured, so ``gateway.host=0.0.0.0`` (say, for agents on other machines)
+    starts as well as the loopback default does."""
+
+    # Seconds between tries to bring a dead gateway back, then give up (the run fails).
+    RESTART_WAITS = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+    def __init__(self, run_dir: Path, host: str = "127.0.0.1", port: int = 0) -> None:
+        if port and not port_free(host, port):
+            raise OSError(f"gateway port {port} on {host} is in use")
+        self.run_dir = run_dir
+        self.host = host
+        self.port = port or free_port(host)
+        self.token = secrets.token_urlsafe(32)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._supervisor: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{connect_host(self.host)}:{self.port}"
+
+    @property
+    def token_file(self) -> Path:
+        """The admin token, readable by its owner only: what opens the run's trajectory
+        viewer (``/ui``) and ``python -m agl.rollouts`` while the run goes on."""
+        return self.run_dir / "admin_token"
+
+    def start(self, timeout_s: float = 60.0) -> ChildGateway:
+        private_dir(self.run_dir)
+        descriptor = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(descriptor, 0o600)  # a file left by an earlier run keeps its mode otherwise
+        with os.fdopen(descriptor, "w") as file:
+            file.write(self.token + "\n")
+        self._launch(timeout_s)
+        if self._supervisor is None:
+            self._supervisor = threading.Thread(
+                target=self._supervise, name="gateway-supervisor", daemon=True
+            )
+            self._supervisor.start()
+        return self
+
+    def _launch(self, timeout_s: float) -> None:
+        private_dir(self.run_dir)
+        args = [f"host={self.host}", f"port={self.port}", f"run_dir={self.run_dir}"]
+        with self._lock:
+            if self._stopping:
+                return
+            with (self.run_dir / "gateway.log").open("ab") as log_file:
+                process = self.process = subprocess.Popen(
+                    [sys.executable, "-m", "agl.gateway", *args, "log_level=warning"],
+                    env={**os.environ, "AGL_ADMIN_TOKEN": self.token},
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    # Its own process group: Ctrl-C reaches only the trainer, which stops
+                    # the children in order.
+                    process_group=0,
+                    preexec_fn=die_with_parent(),
+                )
+        deadline = time.monotonic() + timeout_s
+        while not self._stopping:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"the gateway exited with code {process.returncode} "
+                    f"(see {self.run_dir / 'gateway.log'})"
+                )
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                process.kill()
+                process.wait(timeout=10)
+                raise TimeoutError(f"the gateway was not up after {timeout_s} s")
+            time.sleep(0.05)
+
+    def _supervise(self) -> None:
+        while True:
+            process = self.process
+            assert process is not None
+            code = process.wait()
+            if self._stopping or process is not self.process:
+                return
+            log.warning("the gateway exited with code %d; restarting it on its store", code)
+            for wait in self.RESTART_WAITS:
+                time.sleep(wait)
+                if self._stopping:
+                    return
+                try:
+                    self._launch(timeout_s=60.0)
+                except (OSError, RuntimeError, TimeoutError) as error:
+                    log.warning("the gateway did not come back: %s", error)
+                    continue
+                self.restarts += 1
+                log.warning("the gateway is back at %s (restart %d)", self.url, self.restarts)
+                break
+            else:
+                log.error("the gateway did not come back after %d tries", len(self.RESTART_WAITS))
+                return
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)

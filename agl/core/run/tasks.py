@@ -1,0 +1,134 @@
+"""A task as configured in ``conf/task/<name>.yaml``: where its harness, data and warm-up
+live (``module:function`` strings, imported from the experiments folder), and the options
+they share."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def load_callable(spec: str, root: Path | None = None) -> Callable[..., Any]:
+    """``"package.module:function"`` → the function (``root`` goes on ``sys.path`` first)."""
+    module_name, sep, name = spec.partition(":")
+    if not sep or not module_name or not name:
+        raise ValueError(f"{spec!r} is not of the form module:function")
+    if root is not None and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"cannot import {module_name!r} (for {spec!r}): {error}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"{module_name!r} has no function {name!r}")
+    return function
+
+
+@dataclass
+class TaskConfig:
+    name: str
+    harness: str
+    train_inputs: str
+    val_inputs: str
+    warmup: str | None = None
+    # Rewards from what the agent left, posted by the controller (agl/grading.py).
+    grader: str | None = None
+    warmup_options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    # Merged into every input, like ``sampling``: knobs of the harness itself (e.g. the
+    # think time bench/async.py gives the agents).
+    agent: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 60.0
+    # Extra validation sets, each reported apart (val/NAME/...): the task's val_inputs
+    # with these ``options`` over ``options`` and ``sampling`` over ``sampling`` (other
+    # targets, seeds, temperatures).
+    val_sets: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, spec in self.val_sets.items():
+            unknown = set(spec or {}) - {"options", "sampling"}
+            if unknown or "/" in name:
+                raise ValueError(
+                    f"task.val_sets.{name}: a validation set has a name without '/' and "
+                    f"only 'options' and 'sampling' (not {sorted(unknown)})"
+                )
+
+
+class Task:
+    """The trainer's view of a task (``agl.core.trainer.loop.Task``)."""
+
+    def __init__(self, config: TaskConfig, root: Path, seed: int = 0) -> None:
+        self.config = config
+        self.root = root
+        self.seed = seed
+        self._train = load_callable(config.train_inputs, root)
+        self._val = load_callable(config.val_inputs, root)
+        self._warmup = load_callable(config.warmup, root) if config.warmup else None
+
+    def train_inputs(self, batch: int, n: int) -> list[Any]:
+        inputs = self._train(batch, n, self.seed, **self.config.options)
+        return [self._with_sampling(x) for x in inputs]
+
+    @property
+    def val_sets(self) -> list[str]:
+        return list(self.config.val_sets)
+
+    def val_inputs(self, n: int, val_set: str | None = None) -> list[Any]:
+        """The fixed validation inputs; ``val_set`` names one of ``task.val_sets``."""
+        if val_set is None:
+            return [self._with_sampling(x) for x in self._val(n, **self.config.options)]
+        if val_set not in self.config.val_sets:
+            raise ValueError(f"no validation set {val_set!r}; the task has {self.val_sets}")
+        spec = self.config.val_sets[val_set] or {}
+        options = {**self.config.options, **(spec.get("options") or {})}
+        sampling = {**self.config.sampling, **(spec.get("sampling") or {})}
+        return [self._with_sampling(x, sampling) for x in self._val(n, **options)]
+
+    def warm_up(
+        self, model: Any, tokenizer: Any, cache_dir: Path | None = None, model_key: str = ""
+    ) -> Mapping[str, float] | None:
+        """Run the task's warm-up on ``model`` in place. With ``cache_dir``, the warmed
+        weights are kept there, keyed by ``model_key`` (which model, which seed), the
+        warm-up's options and its source, so sweeps and tests warm up once."""
+        if self._warmup is None:
+            return None
+        options = {**self.config.options, **self.config.warmup_options}
+        options.setdefault("seed", self.seed)
+        if cache_dir is None:
+            return self._warmup(model, tokenizer, **options)
+        import torch
+
+        # The warm-up's whole folder: it may use the harness's messages.
+        folder = Path(inspect.getfile(self._warmup)).parent
+        source = b"".join(p.read_bytes() for p in sorted(folder.glob("*.py")))
+        key = hashlib.sha256(
+            json.dumps([model_key, self.config.warmup, options], sort_keys=True).encode() + source
+        ).hexdigest()[:16]
+        path = cache_dir / f"{self.config.name}-{key}.pt"
+        if path.exists():
+            model.load_state_dict(torch.load(path, map_location="cpu"))
+            return {"cached": 1.0}
+        metrics = self._warmup(model, tokenizer, **options)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        torch.save(model.state_dict(), partial)
+        partial.replace(path)
+        return metrics
+
+    def _with_sampling(self, data: Any, sampling: dict[str, Any] | None = None) -> Any:
+        if isinstance(data, dict):
+            return {
+                **(self.config.sampling if sampling is None else sampling),
+                **self.config.agent,
+                **data,
+            }
+        return data
