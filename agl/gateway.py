@@ -12,8 +12,9 @@ from pathlib import Path
 
 import uvicorn
 
-from agl.core.gateway.app import GatewayConfig, bind_refusal, create_app
+from agl.core.gateway.app import create_app
 from agl.core.gateway.auth import load_admin_token
+from agl.core.gateway.config import GatewayConfig, bind_refusal
 from agl.core.gateway.connections import http_protocol
 from agl.core.gateway.private_files import private_dir
 from agl.core.run.cli import parse_or_exit

@@ -23,7 +23,7 @@ from schemathesis.checks import not_a_server_error, response_schema_conformance
 
 from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.contracts.records import MAX_JSON_DEPTH
-from agl.core.gateway.app import EVENTS, PROXY_CHAT
+from agl.core.gateway.paths import EVENTS, PROXY_CHAT
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess
 

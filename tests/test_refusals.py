@@ -129,7 +129,7 @@ def test_an_upload_over_the_limit_closes_and_frees_its_budget(prompt: GatewayPro
 
 
 def test_refusal_delay_must_not_be_negative(tmp_path: Path) -> None:
-    from agl.core.gateway.app import GatewayConfig
+    from agl.core.gateway.config import GatewayConfig
 
     with pytest.raises(ValueError, match="refusal_delay_s"):
         GatewayConfig(run_dir=str(tmp_path), refusal_delay_s=-1)

@@ -24,8 +24,11 @@ from starlette.testclient import TestClient
 
 from agl.core.client import GatewayClient, GatewayError, proxy_base_url
 from agl.core.contracts.records import EventIn, Rollout
-from agl.core.gateway.app import AttemptRateLimit, BodyLimit, GatewayConfig, create_app, is_loopback
+from agl.core.gateway.app import create_app
+from agl.core.gateway.asgi import BodyLimit
+from agl.core.gateway.config import GatewayConfig, is_loopback
 from agl.core.gateway.errors import ApiError
+from agl.core.gateway.ratelimit import AttemptRateLimit
 from agl.core.run.services import ChildGateway, free_port
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess, gateway_process, wait_healthy

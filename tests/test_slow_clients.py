@@ -193,7 +193,7 @@ def test_a_small_chunked_login_still_works(slow_gateway: GatewayProcess) -> None
 
 
 def test_the_timeouts_must_be_positive(tmp_path: Path) -> None:
-    from agl.core.gateway.app import GatewayConfig
+    from agl.core.gateway.config import GatewayConfig
 
     for name in ("header_timeout_s", "body_timeout_s", "ui_session_hours"):
         with pytest.raises(ValueError, match=name):

@@ -27,7 +27,8 @@ from agl.core.client import GatewayClient
 from agl.core.contracts.queries import HISTORY_SINCE, EventQuery
 from agl.core.contracts.records import EventIn, RolloutSpec, Status, StatusPatch
 from agl.core.gateway import app as gateway_module
-from agl.core.gateway.app import GatewayConfig, create_app
+from agl.core.gateway.app import create_app
+from agl.core.gateway.config import GatewayConfig
 from agl.core.gateway.store.sqlite import SqliteStore
 from agl.strategies.merging import common_prefix_len
 from agl.testing.processes import GatewayProcess, gateway_process

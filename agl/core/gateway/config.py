@@ -1,0 +1,126 @@
+"""The gateway's options (``python -m agl.gateway key=value ...``) and its bind policy:
+loopback unless a secret was configured for the network."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+from agl.core.run.cli import check_port
+
+MIN_SECRET_CHARS = 16
+
+
+@dataclass
+class GatewayConfig:
+    """Options of ``python -m agl.gateway key=value ...``.
+
+    ``host`` is loopback unless told otherwise. Binding anything else (``0.0.0.0``,
+    ``::``, a LAN address, a host name other than ``localhost``) needs *a secret
+    configured*: an admin token given explicitly, by ``AGL_ADMIN_TOKEN`` or by
+    ``admin_token_file`` (say a mounted Secret), of at least 16 characters. The token
+    the gateway makes for itself in ``run_dir/admin_token`` is fine on loopback, but
+    nobody chose it for a network, so it does not count. The attempt keys' signing
+    secret needs no setting: it is 32 random bytes made once and kept in the store (the
+    same store, the same keys after a restart), never derived from the admin token.
+
+    ``attempt_rps`` / ``attempt_burst``: a token bucket per attempt key over everything
+    that key can call (proxy, events, reading its rollout, finishing its attempt); a call
+    over it gets 429 with ``Retry-After``. ``attempt_rps=0`` turns the limit off. The
+    admin token is never limited. An event batch counts as its number of events, and
+    one POST holds at most ``max_events_per_post`` of them (413 past it, nothing stored),
+    so no request holds the event loop for long.
+
+    ``header_timeout_s`` / ``body_timeout_s``: a request whose headers are not all in
+    that long after its first byte (or the connection's opening), or whose body goes that
+    long without a byte while the gateway reads it, gets 408 and its connection closed
+    (:mod:`agl.core.gateway.connections`). ``refusal_delay_s``: how late a 401, 403, 413 or 429
+    is answered (0: at once), so that refusals cost a client time, not the gateway CPU.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    run_dir: str = "runs/gateway"
+    store: str = ""  # a store URL; default: run_dir/gateway.db
+    max_body_mb: float = 32.0
+    # All request bodies in flight together (BodyLimit): past it a chunk gets 503.
+    max_buffered_mb: float = 256.0
+    upstream_retries: int = 3
+    upstream_backoff_s: float = 0.1
+    upstream_timeout_s: float = 600.0
+    sweep_interval_s: float = 1.0
+    fsync: bool = False  # also survive power loss, not only kill -9 (an fsync per commit)
+    access_log: bool = False
+    log_level: str = "info"
+    admin_token_file: str = ""  # read the admin token from this file instead
+    attempt_rps: float = 50.0  # calls per second per attempt key, sustained (0: no limit)
+    attempt_burst: int = 100  # calls per attempt key above the rate before 429s start
+    max_events_per_post: int = 1000
+    # The run folder the viewer (/ui) reads: config (merge, advantage, tokenizer) and
+    # agent logs. Default: run_dir's parent when it holds a config.yaml.
+    ui_run: str = ""
+    ui_session_hours: float = 12.0  # a viewer login lasts this long (then log in again)
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # A refusal (401, 403, 413, 429) is answered this late (agl/core/gateway/connections.py,
+    # RefusalDelay): a client looping on refusals waits instead of taking the CPU.
+    refusal_delay_s: float = 1.0
+    # FastAPI's /docs and /redoc: off by default, because they load Swagger UI's and
+    # ReDoc's scripts from a CDN onto the gateway's origin. /openapi.json is always served.
+    api_docs: bool = False
+
+    def __post_init__(self) -> None:
+        check_port(self.port)
+        for name in ("ui_session_hours", "header_timeout_s", "body_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.refusal_delay_s < 0:
+            raise ValueError(f"refusal_delay_s={self.refusal_delay_s} must be 0 (off) or more")
+        if self.max_body_mb <= 0:
+            raise ValueError(f"max_body_mb={self.max_body_mb} must be positive")
+        if self.max_buffered_mb < self.max_body_mb:
+            raise ValueError(
+                f"max_buffered_mb={self.max_buffered_mb} must be at least max_body_mb "
+                f"({self.max_body_mb}): one body must fit"
+            )
+        if self.attempt_rps < 0:
+            raise ValueError(f"attempt_rps={self.attempt_rps} must be 0 (no limit) or positive")
+        if self.attempt_burst < 1:
+            raise ValueError(f"attempt_burst={self.attempt_burst} must be at least 1")
+        if self.max_events_per_post < 1:
+            raise ValueError(f"max_events_per_post={self.max_events_per_post} must be at least 1")
+
+    @property
+    def store_url(self) -> str:
+        return self.store or str(Path(self.run_dir) / "gateway.db")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the gateway on this machine. A host name other than
+    ``localhost`` is not trusted to resolve to loopback."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_refusal(config: GatewayConfig, token_source: str, token: str) -> str | None:
+    """Why the gateway must not start on ``config.host`` with this admin token, or None."""
+    if is_loopback(config.host):
+        return None
+    if token_source not in ("AGL_ADMIN_TOKEN", "admin_token_file"):
+        return (
+            f"refusing to listen on {config.host} (not loopback) without a secret configured: "
+            "set AGL_ADMIN_TOKEN or admin_token_file=PATH (e.g. `openssl rand -hex 32`), "
+            "or keep host=127.0.0.1"
+        )
+    if len(token) < MIN_SECRET_CHARS:
+        return (
+            f"refusing to listen on {config.host} (not loopback): the admin token from "
+            f"{token_source} has {len(token)} characters, fewer than {MIN_SECRET_CHARS} "
+            "(make one with `openssl rand -hex 32`)"
+        )
+    return None
