@@ -475,11 +475,11 @@ async def cmd_show(client: AsyncGatewayClient, args: argparse.Namespace, out: IO
     if run is None:
         print("\n(--run DIR: how these calls became samples under the run's merge)", file=out)
         return
-    e = explained(events, rollout.attempt, run)
-    if isinstance(e, str):
-        print(f"\nsamples: {e}", file=out)
+    account = explained(events, rollout.attempt, run)
+    if isinstance(account, str):
+        print(f"\nsamples: {account}", file=out)
         return
-    show_explanation(e, run.choices["merge"], rollout.attempt, out)
+    show_explanation(account, run.choices["merge"], rollout.attempt, out)
 
 
 def load_run_folder(folder: str) -> Any:

@@ -1,7 +1,7 @@
 """``python -m agl.serve model=tiny host=127.0.0.1 port=8001``: the embedded inference server.
 
 An OpenAI-compatible ``/v1/chat/completions`` (vLLM's token-id and logprob extensions
-included) over one model, with batched generation; see ``agl.backends.inference.hf``.
+included) over one model, with batched generation; see ``agl.backends.inference.server``.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from agl.backends.inference.engine import Engine
-    from agl.backends.inference.hf import create_app
     from agl.backends.inference.models import ModelUnavailable, load_model
+    from agl.backends.inference.server.app import create_app
 
     try:
         loaded = load_model(
@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = loaded.model.to(device)
+    # transformers types PreTrainedModel.to through a decorator that loses its signature
+    model = loaded.model.to(device)  # type: ignore[arg-type]
     try:
         engine = Engine(
             model,

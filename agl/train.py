@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from agl.core.run.build import CONF, ROOT
 from agl.core.run.errors import UserError
@@ -60,7 +60,7 @@ def _hydra_job(cfg: Any) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     sweep = None
-    if hydra_cfg.mode.name == "MULTIRUN":
+    if hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN":
         sweep = Path(hydra_cfg.sweep.dir).name
     # Ctrl-C and SIGTERM stop the run cleanly, even where the parent started us with
     # SIGINT ignored (a background job of a non-interactive shell).
@@ -76,7 +76,7 @@ def _hydra_job(cfg: Any) -> None:
         raise SystemExit(130) from None
 
 
-def train(cfg: Any, run_dir: Path, sweep: str | None = None) -> list[dict[str, float]]:
+def train(cfg: Any, run_dir: Path, sweep: str | None = None) -> list[dict[str, float | None]]:
     """Run one experiment described by the composed config ``cfg``; answers its metrics."""
     from omegaconf import OmegaConf
 
@@ -86,7 +86,7 @@ def train(cfg: Any, run_dir: Path, sweep: str | None = None) -> list[dict[str, f
     return asyncio.run(_run(cfg, run_dir, sweep))
 
 
-async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, float]]:
+async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, float | None]]:
     import torch
     from omegaconf import OmegaConf
 
@@ -112,8 +112,7 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, flo
     from agl.strategies.registry import get
 
     started = time.monotonic()
-    options = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(options, dict)
+    options = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     torch.manual_seed(cfg.seed)
     try:
         trainer_config = TrainerConfig(**options["trainer"])

@@ -26,15 +26,12 @@ import torch
 import uvicorn
 
 from agl.backends.inference.engine import Engine
-from agl.backends.inference.hf import (
-    POLICY_VERSION_HEADER,
-    ChoiceOutput,
-    Detokenizer,
-    TokenCodec,
-    create_app,
-    parse_tool_calls,
-)
 from agl.backends.inference.models import LoadedModel, load_model
+from agl.backends.inference.server.app import create_app
+from agl.backends.inference.server.responses import POLICY_VERSION_HEADER
+from agl.backends.inference.server.text import ChoiceOutput
+from agl.backends.inference.server.tokens import Detokenizer, TokenCodec
+from agl.backends.inference.server.tools import parse_tool_calls
 from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.gateway.errors import ErrorResponse
 from agl.testing.processes import free_port, gateway_process, serve_process

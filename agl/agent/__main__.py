@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     undumpable()
     report_key = os.environ.pop(ENV_REPORT_KEY, "")  # gone from what the harness starts
     env = dict(os.environ)
-    error = asyncio.run(run_attempt(harness, env, timeout_s=None, report_key=report_key))
-    if error is not None:
-        sys.stderr.write(f"agl.agent: {error}\n")
+    failure = asyncio.run(run_attempt(harness, env, timeout_s=None, report_key=report_key))
+    if failure is not None:
+        sys.stderr.write(f"agl.agent: {failure}\n")
         raise SystemExit(1)
 
 

@@ -13,9 +13,7 @@ from collections.abc import Callable, Sequence
 from agl.core.contracts.samples import Sample
 
 
-def per_token(
-    samples: Sequence[Sample], weight: Callable[[int, Sample], float]
-) -> list[list[float]]:
+def per_token(samples: Sequence[Sample], weight: Callable[[Sample], float]) -> list[list[float]]:
     """``weight(sample)`` on each action token of each sample, 0 elsewhere."""
     out = []
     for s in samples:

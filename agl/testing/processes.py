@@ -22,7 +22,7 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float = 
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(
-                f"{process.args} exited with {process.returncode} before it was ready"
+                f"{process.args!r} exited with {process.returncode} before it was ready"
             )
         try:
             if httpx.get(url, timeout=1.0).status_code == 200:

@@ -312,7 +312,7 @@ class ListForm:
         if fields["order"] not in ("", "asc", "desc"):
             problems.append("order must be asc or desc")
         fields["order"] = fields["order"] or "desc"
-        page = _whole(params.get("page", "") or "1", "page", 1, problems, MAX_PAGE)
+        page = _whole(params.get("page", "") or "1", "page", 1, problems, MAX_PAGE) or 1
         if problems:
             raise UiError(400, "; ".join(problems))
         query = SummaryQuery(

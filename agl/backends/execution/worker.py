@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import inspect
 import logging
@@ -99,7 +100,7 @@ def load_harness(spec: str) -> Harness:
             f"harness {spec!r}: {function_name!r} is not an async function "
             f"(want: async def {function_name}(env: Mapping[str, str]) -> None)"
         )
-    return function  # type: ignore[no-any-return]
+    return function
 
 
 def one_line(error: BaseException) -> str:
@@ -158,6 +159,9 @@ class _Worker:
         # A transport write never blocks; the parent always reads, so the buffer stays small.
         self.out.write(orjson.dumps(message) + b"\n")
 
+    def _forget(self, key: tuple[str, int], _: asyncio.Task[None]) -> None:
+        self.tasks.pop(key, None)
+
     async def attempt(self, message: dict[str, Any]) -> None:
         key = (message["rollout_id"], message["attempt"])
         try:
@@ -191,7 +195,7 @@ class _Worker:
                 continue
             task = asyncio.create_task(self.attempt(message))
             self.tasks[key] = task
-            task.add_done_callback(lambda _, key=key: self.tasks.pop(key, None))
+            task.add_done_callback(functools.partial(self._forget, key))
         # EOF: the parent is gone or closing; nothing we run can be reported any more.
         for task in list(self.tasks.values()):
             task.cancel()

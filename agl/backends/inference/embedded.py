@@ -1,5 +1,5 @@
 """The embedded inference server inside the trainer's process: the ``Engine`` and its
-OpenAI-compatible app (``hf.py``) on a uvicorn thread, sharing the trainer's model.
+OpenAI-compatible app (``server/``) on a uvicorn thread, sharing the trainer's model.
 
 Sharing the module (not a copy) is what makes a weight update free: the trainer changes
 the parameters in place while the engine is paused, then bumps ``policy_version``.
@@ -18,7 +18,7 @@ import torch
 import uvicorn
 
 from agl.backends.inference.engine import Engine, EngineStats
-from agl.backends.inference.hf import create_app
+from agl.backends.inference.server.app import create_app
 
 log = logging.getLogger(__name__)
 

@@ -108,7 +108,7 @@ def _plain_list(items: list[Any]) -> bool:
     if kinds <= {str, bool, type(None)}:
         return True
     if kinds == {int}:
-        return _INT_RANGE[0] <= min(items) and max(items) < _INT_RANGE[1]
+        return bool(_INT_RANGE[0] <= min(items) and max(items) < _INT_RANGE[1])
     if kinds == {float}:
         return all(map(math.isfinite, items))
     return False

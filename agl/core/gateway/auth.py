@@ -121,9 +121,9 @@ def load_admin_token(run_dir: Path, token_file: str = "") -> tuple[str, str]:
         if not token:
             raise ValueError(f"admin_token_file {token_file} is empty")
         return token, "admin_token_file"
-    token = os.environ.get("AGL_ADMIN_TOKEN")
-    if token:
-        return token, "AGL_ADMIN_TOKEN"
+    from_env = os.environ.get("AGL_ADMIN_TOKEN")
+    if from_env:
+        return from_env, "AGL_ADMIN_TOKEN"
     path = run_dir / "admin_token"
     if not path.exists():
         private_dir(run_dir)

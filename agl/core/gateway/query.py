@@ -26,15 +26,16 @@ def whole_number(text: str, low: int = 0, high: int = INT64_MAX) -> int:
     return value
 
 
-def query_int(ge: int = INT64_MIN, le: int = INT64_MAX) -> Any:
-    """The type of an integer query parameter of a pydantic model or a FastAPI route:
-    ASCII digits, from ``ge`` to ``le`` (64 bits unless narrower), an integer in the
-    OpenAPI document."""
-    # The bounds before the validator, or the schema would not show them as JSON Schema's.
-    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_ascii_digits)]
-
-
-def _ascii_digits(value: Any) -> Any:
+def _ascii_digits_of(value: Any) -> Any:
     if isinstance(value, str) and not _WHOLE.fullmatch(value):
         raise ValueError("must be a whole number in ASCII digits")
     return value
+
+
+# Integer query parameters of a pydantic model or a FastAPI route: ASCII digits, within
+# the bounds (64 bits unless narrower), an integer in the OpenAPI document. The bounds
+# come before the validator, or the schema would not show them as JSON Schema's.
+ASCII_DIGITS = BeforeValidator(_ascii_digits_of)
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), ASCII_DIGITS]
+Positive64 = Annotated[int, Field(ge=1, le=INT64_MAX), ASCII_DIGITS]
+Natural64 = Annotated[int, Field(ge=0, le=INT64_MAX), ASCII_DIGITS]

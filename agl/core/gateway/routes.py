@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Annotated
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -35,7 +36,7 @@ from agl.core.gateway.paths import (
     PROXY_MESSAGES,
     PROXY_RESPONSES,
 )
-from agl.core.gateway.query import query_int, whole_number
+from agl.core.gateway.query import ASCII_DIGITS, Int64, Natural64, Positive64, whole_number
 from agl.core.gateway.service import ADMISSION_META, Gateway
 from agl.core.gateway.wire import (
     ADMISSION,
@@ -52,10 +53,10 @@ MAX_PAGE = 1000
 MAX_EVENT_PAGE = 10_000
 
 # Integer query parameters, as SQLite binds them (a larger one was a 500, not a 4xx).
-_Int64 = query_int()
-_Attempt = query_int(ge=1)
-_Offset = query_int(ge=0)
-_SummaryLimit = query_int(ge=0, le=MAX_PAGE)
+_Int64 = Int64
+_Attempt = Positive64
+_Offset = Natural64
+_SummaryLimit = Annotated[int, Field(ge=0, le=MAX_PAGE), ASCII_DIGITS]
 
 
 class _SummaryParams(BaseModel):
@@ -225,7 +226,8 @@ def api_router(gw: Callable[[], Gateway], schema: OpenApiExtras) -> APIRouter:
     async def post_models(request: Request) -> Response:
         g = gw()
         g.admin(request)
-        await g.store.put_models(parse(MODELS, await request.body()))
+        endpoints = parse(MODELS, await request.body())
+        await g.store.put_models(endpoints)
         models = await g.store.list_models()
         g.proxy.router.load(models)
         return json_response([m.model_dump() for m in models])

@@ -16,7 +16,7 @@ from agl.core.gateway.errors import ApiError
 
 SPECS = TypeAdapter(list[RolloutSpec])
 PATCH = TypeAdapter(StatusPatch)
-EVENTS_BODY = TypeAdapter(EventIn | list[EventIn])
+EVENTS_BODY: TypeAdapter[EventIn | list[EventIn]] = TypeAdapter(EventIn | list[EventIn])
 MODELS = TypeAdapter(list[ModelEndpoint])
 ADMISSION = TypeAdapter(AdmissionIn)
 

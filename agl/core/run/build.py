@@ -40,7 +40,7 @@ def backend_config(group: dict[str, Any], steps: int) -> Any:
         return TorchBackendConfig(**options)
     if group["name"] == "verl":
         try:
-            from agl.backends.training.verl import VerlBackendConfig
+            from agl.backends.training.verl.config import VerlBackendConfig
         except ImportError as error:
             raise UserError(
                 f"backend=verl needs verl 0.9.1 ({error}): pip install -e '.[verl]' && "
@@ -60,10 +60,10 @@ def policy_for(config: Any, loaded: LoadedModel, server: InferenceService, run_d
         from agl.backends.training.torch import TorchBackend
 
         return EmbeddedPolicy(TorchBackend(loaded.model, config), server.paused)
-    from agl.backends.training.verl import VerlPolicy
+    from agl.backends.training.verl.policy import VerlPolicy
 
     if config.on_ray:  # backend.ranks > 1: verl's FSDP workers on Ray
-        from agl.backends.training.verl_ray import RayVerlPolicy
+        from agl.backends.training.verl.ray import RayVerlPolicy
 
         return RayVerlPolicy(
             loaded.model,

@@ -175,10 +175,9 @@ def _cause_metrics(rollouts: Sequence[FinishedRollout]) -> dict[str, float]:
 def _prepared(sample: Sample, calls: Sequence[ModelCall], stale: set[int]) -> Sample:
     """The sample with its stale calls' tokens made context, and its tokens' sampling
     (None when every call was sampled untransformed: the backends' plain path)."""
-    sampling: list[Sampling] | None = [
-        NO_TRANSFORM if c < 0 else calls[c].sampling for c in sample.call_index
-    ]
-    if all(x == NO_TRANSFORM for x in sampling):
+    transforms = [NO_TRANSFORM if c < 0 else calls[c].sampling for c in sample.call_index]
+    sampling: list[Sampling] | None = transforms
+    if all(x == NO_TRANSFORM for x in transforms):
         sampling = None
     if not stale:
         return replace(sample, sampling=sampling)

@@ -116,8 +116,8 @@ def dedup(calls: Sequence[ModelCall], rule: str = "continued") -> list[ModelCall
     and nothing continuing them, exactly one is kept.
     """
     if rule == "last":
-        last = {tuple(c.prompt_ids): i for i, c in enumerate(calls)}
-        return [c for i, c in enumerate(calls) if last[tuple(c.prompt_ids)] == i]
+        latest = {tuple(c.prompt_ids): i for i, c in enumerate(calls)}
+        return [c for i, c in enumerate(calls) if latest[tuple(c.prompt_ids)] == i]
     if rule != "continued":
         raise ValueError(f"unknown dedup rule {rule!r}; use one of {', '.join(DEDUP_RULES)}")
     requests = _requests(calls)

@@ -138,7 +138,8 @@ class Collector:
         if rid not in self._pending:
             return False
         rewards = [e for e in events if e.type == "reward"]
-        reward, metrics = None, {}
+        reward: float | None = None
+        metrics: dict[str, float] = {}
         if rewards:
             reward, metrics = _reward_value(max(rewards, key=lambda e: e.sequence).data)
         cause = attempt_cause(rollout, events, has_reward=reward is not None)

@@ -17,6 +17,7 @@ import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -145,7 +146,7 @@ def json_text(rng: random.Random) -> str:
 
 def _chat(rng: random.Random) -> str:
     """A rendered conversation, so role names and template glue get their own merges."""
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a helpful coding agent."},
         {"role": "user", "content": prose(rng, 2)},
     ]

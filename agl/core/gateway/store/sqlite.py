@@ -380,7 +380,8 @@ class SqliteStore(Store):
         return None if row is None else _rollout(row)
 
     async def list_rollouts(self, query: RolloutQuery) -> tuple[list[Rollout], int | None]:
-        where, args = ["seq > ?"], [query.after]
+        where: list[str] = ["seq > ?"]
+        args: list[int | str] = [query.after]
         if query.statuses:
             where.append(f"status IN ({','.join('?' * len(query.statuses))})")
             args.extend(sorted(query.statuses))

@@ -1,0 +1,143 @@
+"""One choice's text output as the engine's tokens arrive: the text cut at stop strings,
+how much of it a stream may show yet, and its tool calls once it is over; ``collect`` feeds
+a whole unary generation into such outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from agl.backends.inference.engine import Generation
+from agl.backends.inference.server.tokens import Detokenizer, TokenCodec
+from agl.backends.inference.server.tools import TOOL_CALL_START, parse_tool_calls
+
+
+@dataclass
+class ChoiceOutput:
+    """One choice's answer as it grows: ids, logprobs, text after stop strings, and how
+    much of the text a stream may already show."""
+
+    index: int
+    tokens: TokenCodec
+    stops: tuple[str, ...]
+    parse_tools: bool
+    incremental: bool
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    shown: int = 0  # characters of text already streamed
+    finish_reason: str | None = None
+    stop_reason: str | None = None  # the stop string that ended it, as vLLM reports
+    detokenizer: Detokenizer | None = None
+
+    def __post_init__(self) -> None:
+        if self.incremental:
+            self.detokenizer = Detokenizer(self.tokens)
+
+    def add(self, token_ids: list[int], logprobs: list[float], finish: str | None) -> bool:
+        """Take the engine's next tokens; answers True when a stop string ended the choice
+        (the engine should stop sampling it)."""
+        if self.finish_reason:
+            return False
+        if finish == "abort":
+            self.finish_reason = finish
+            return False
+        # An engine "stop" means the last token is eos: sampled, but not text.
+        eos = len(token_ids) - 1 if finish == "stop" else -1
+        if not self.incremental:
+            self.token_ids += token_ids
+            self.logprobs += logprobs
+            self.text = self.tokens.decode(token_ids[:eos] if eos >= 0 else token_ids)
+            self.finish_reason = finish
+            return False
+        assert self.detokenizer is not None
+        for i, (token, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+            self.token_ids.append(token)
+            self.logprobs.append(logprob)
+            if i != eos and self._extend(self.detokenizer.add(token)):
+                return True
+        if finish:
+            if self._extend(self.detokenizer.flush()):
+                return True
+            self.finish_reason = finish
+        return False
+
+    def _extend(self, new: str) -> bool:
+        if not new:
+            return False
+        checked = len(self.text)
+        self.text += new
+        hits = [
+            (at, s)
+            for s in self.stops
+            if (at := self.text.find(s, max(0, checked - len(s) + 1))) >= 0
+        ]
+        if not hits:
+            return False
+        at, self.stop_reason = min(hits)
+        self.text = self.text[:at]
+        self.finish_reason = "stop"
+        return True
+
+    def visible(self) -> int:
+        """How much of the text a stream may show now: not what may still turn out to be
+        a stop string, nor anything from a tool call on (it may parse into tool_calls)."""
+        text = self.text
+        if self.finish_reason:
+            return len(text)
+        end = len(text) - max((_partial_suffix(text, s) for s in self.stops), default=0)
+        if self.parse_tools:
+            marker = text.find(TOOL_CALL_START)
+            if marker < 0:
+                marker = len(text) - _partial_suffix(text, TOOL_CALL_START)
+            end = min(end, marker)
+            # The newline before a tool call belongs to the template, not to the content.
+            if text[:end].endswith("\n"):
+                end -= 1
+        return max(end, self.shown)
+
+    def take_text(self) -> str:
+        end = self.visible()
+        text, self.shown = self.text[self.shown : end], max(self.shown, end)
+        return text
+
+    def emit(self) -> tuple[str, list[dict[str, Any]] | None]:
+        """What a stream shows after the latest tokens: new content, and, once the
+        choice is over and its text parses, the tool calls (with the content before
+        them that was still held back)."""
+        if self.finish_reason:
+            content, tool_calls = self.message()
+            if tool_calls:
+                text = (content or "")[self.shown :]
+                self.shown = len(self.text)
+                return text, tool_calls
+        return self.take_text(), None
+
+    def message(self) -> tuple[str | None, list[dict[str, Any]] | None]:
+        parsed = parse_tool_calls(self.text) if self.parse_tools else None
+        if parsed is None:
+            return self.text, None
+        return parsed
+
+    def final_reason(self, tool_calls: list[dict[str, Any]] | None) -> str | None:
+        return "tool_calls" if tool_calls else self.finish_reason
+
+
+def _partial_suffix(text: str, pattern: str) -> int:
+    """The length of the longest end of ``text`` that begins ``pattern`` (not all of it)."""
+    for k in range(min(len(pattern) - 1, len(text)), 0, -1):
+        if text.endswith(pattern[:k]):
+            return k
+    return 0
+
+
+async def collect(generation: Generation, outputs: list[ChoiceOutput], stops: bool) -> None:
+    """Run a unary generation to its end into ``outputs``."""
+    if stops:  # stop strings are found token by token, as the text grows
+        async for batch in generation.deltas():
+            for delta in batch:
+                if outputs[delta.index].add(delta.token_ids, delta.logprobs, delta.finish_reason):
+                    generation.cancel(delta.index)
+    else:
+        for choice in await generation.wait():
+            outputs[choice.index].add(choice.token_ids, choice.logprobs, choice.finish_reason)
