@@ -18,9 +18,10 @@ from tests.test_torch_backend import make_model, random_batch, token_mean
 
 schedules = st.builds(
     LrSchedule,
-    lr_scheduler_type=st.sampled_from(["constant", "cosine"]),
+    lr_scheduler_type=st.sampled_from(["constant", "cosine", "wsd"]),
     lr_warmup_steps_ratio=st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0]),
     min_lr_ratio=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+    lr_stable_ratio=st.sampled_from([0.0, 0.5, 2 / 3, 0.9, 1.0]),
     total_training_steps=st.integers(1, 200),
 )
 
@@ -41,13 +42,23 @@ def test_constant_is_one_after_the_warmup(schedule: LrSchedule) -> None:
     assert after == [1.0] * len(after)
 
 
-@given(schedules)
-def test_cosine_never_rises_after_the_warmup_and_ends_at_the_floor(schedule: LrSchedule) -> None:
-    schedule.lr_scheduler_type = "cosine"
+@given(schedules, st.sampled_from(["cosine", "wsd"]))
+def test_a_decay_never_rises_after_the_warmup_and_ends_at_the_floor(
+    schedule: LrSchedule, kind: str
+) -> None:
+    schedule.lr_scheduler_type = kind
     after = factors(schedule)[schedule.warmup_steps :]
     assert all(b <= a + 1e-12 for a, b in itertools.pairwise(after))
     if schedule.warmup_steps < schedule.total_training_steps:
         assert after[-1] == pytest.approx(schedule.min_lr_ratio)
+
+
+@given(schedules)
+def test_wsd_holds_the_full_rate_through_its_stable_phase(schedule: LrSchedule) -> None:
+    schedule.lr_scheduler_type = "wsd"
+    warmup = schedule.warmup_steps
+    stable = int((schedule.total_training_steps - warmup) * schedule.lr_stable_ratio)
+    assert factors(schedule)[warmup : warmup + stable] == [1.0] * stable
 
 
 @settings(deadline=None)  # the first example imports verl
@@ -58,6 +69,14 @@ def test_the_factor_is_verls(schedule: LrSchedule) -> None:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     if schedule.lr_scheduler_type == "constant":
         verl = tf.get_constant_schedule_with_warmup(optimizer, schedule.warmup_steps)
+    elif schedule.lr_scheduler_type == "wsd":
+        verl = tf.get_wsd_schedule_with_warmup(
+            optimizer,
+            num_warmup_steps=schedule.warmup_steps,
+            num_training_steps=schedule.total_training_steps,
+            min_lr_ratio=schedule.min_lr_ratio,
+            stable_ratio=schedule.lr_stable_ratio,
+        )
     else:
         verl = tf.get_cosine_schedule_with_warmup(
             optimizer,
@@ -72,7 +91,8 @@ def test_the_factor_is_verls(schedule: LrSchedule) -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"lr_scheduler_type": "linear"}, "lr_scheduler_type must be one of constant, cosine"),
+        ({"lr_scheduler_type": "linear"}, "lr_scheduler_type must be one of constant, cosine, wsd"),
+        ({"lr_stable_ratio": 2.0}, "lr_stable_ratio must be in [0, 1]"),
         ({"lr_warmup_steps_ratio": 1.5}, "lr_warmup_steps_ratio must be in [0, 1]"),
         ({"min_lr_ratio": -0.1}, "min_lr_ratio must be in [0, 1]"),
         ({"lr_scheduler_type": "cosine"}, "needs total_training_steps >= 1"),

@@ -1,6 +1,6 @@
 """The learning-rate schedule both training backends share, with verl's names and verl's
-formulas (``verl.utils.torch_functional.get_{constant,cosine}_schedule_with_warmup``,
-as verl's FSDP engine builds them from its ``optim`` config).
+formulas (``verl.utils.torch_functional.get_{constant,cosine,wsd}_schedule_with_warmup``;
+verl's FSDP engine builds the first two from its ``optim`` config).
 
 The schedule advances once per training step (one ``train()`` call, whatever its number
 of mini-batches), as verl's ``TrainingWorker.train_batch`` does. With ``W`` warm-up steps
@@ -9,12 +9,17 @@ on ``lr`` at step ``s`` (0-indexed) is:
 
 - ``constant``: ``s / W`` while ``s < W``, then 1;
 - ``cosine``: ``s / W`` while ``s < W``, then
-  ``max(m, m + (1 - m) · (1 + cos(π · (s - W) / (N - W))) / 2)``, ``m = min_lr_ratio``.
+  ``max(m, m + (1 - m) · (1 + cos(π · (s - W) / (N - W))) / 2)``, ``m = min_lr_ratio``;
+- ``wsd`` (warmup-stable-decay): ``s / W`` while ``s < W``, 1 for the next
+  ``S = int((N - W) · lr_stable_ratio)`` steps, then the cosine from 1 to ``m`` over the
+  ``D = N - W - S`` steps left: ``m + (1 - m) · (1 + cos(π · (s - W - S) / D)) / 2``.
+  It learns at the full rate as long as ``constant`` and still ends at ``m``.
 
 Invariants (``tests/test_lr_schedule.py`` checks each against verl's own functions):
-the factor is in ``[0, 1]``; it is 1 from the end of the warm-up on under ``constant``;
-under ``cosine`` it never rises after the warm-up and reaches ``min_lr_ratio`` at step
-``N`` (one past the run's last step, as in verl) unless the warm-up takes the whole run.
+the factor is in ``[0, 1]``; it is 1 from the end of the warm-up on under ``constant``,
+and through the stable phase under ``wsd``; under ``cosine`` and ``wsd`` it never rises
+after the warm-up and reaches ``min_lr_ratio`` at step ``N`` (one past the run's last
+step, as in verl) unless the warm-up takes the whole run.
 """
 
 from __future__ import annotations
@@ -22,18 +27,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-LR_SCHEDULERS = ("constant", "cosine")
+LR_SCHEDULERS = ("constant", "cosine", "wsd")
 
 
 @dataclass
 class LrSchedule:
     """``lr_scheduler_type``, ``lr_warmup_steps_ratio``, ``min_lr_ratio`` as in verl's
-    optimizer config; ``total_training_steps`` is the run's ``trainer.steps`` (``agl.train``
+    optimizer config, ``lr_stable_ratio`` as verl's WSD schedule's ``stable_ratio``;
+    ``total_training_steps`` is the run's ``trainer.steps`` (``agl.train``
     fills it in, as verl's trainer does). A backend config extends this."""
 
     lr_scheduler_type: str = "constant"
     lr_warmup_steps_ratio: float = 0.0
     min_lr_ratio: float = 0.0
+    lr_stable_ratio: float = 0.9
     total_training_steps: int = 0
 
     def __post_init__(self) -> None:
@@ -48,6 +55,8 @@ class LrSchedule:
             )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], not {self.min_lr_ratio}")
+        if not 0.0 <= self.lr_stable_ratio <= 1.0:
+            raise ValueError(f"lr_stable_ratio must be in [0, 1], not {self.lr_stable_ratio}")
         if self.decays and self.total_training_steps < 1:
             raise ValueError(
                 f"lr_scheduler_type={self.lr_scheduler_type} with warm-up or decay needs "
@@ -60,7 +69,7 @@ class LrSchedule:
     @property
     def decays(self) -> bool:
         """Whether the factor ever differs from 1 (else the step count does not matter)."""
-        return self.lr_scheduler_type == "cosine" or self.lr_warmup_steps_ratio > 0.0
+        return self.lr_scheduler_type != "constant" or self.lr_warmup_steps_ratio > 0.0
 
     @property
     def warmup_steps(self) -> int:
@@ -73,6 +82,15 @@ class LrSchedule:
             return step / max(1, warmup)
         if self.lr_scheduler_type == "constant":
             return 1.0
-        progress = (step - warmup) / max(1, self.total_training_steps - warmup)
         m = self.min_lr_ratio
+        if self.lr_scheduler_type == "wsd":
+            remaining = max(0, self.total_training_steps - warmup)
+            stable = int(remaining * self.lr_stable_ratio)
+            if step < warmup + stable:
+                return 1.0
+            if step >= self.total_training_steps:
+                return m
+            progress = (step - warmup - stable) / max(1, remaining - stable)
+            return (1.0 - m) * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress))) + m
+        progress = (step - warmup) / max(1, self.total_training_steps - warmup)
         return max(m, m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * progress)))
