@@ -76,7 +76,7 @@ def _hydra_job(cfg: Any) -> None:
         raise SystemExit(130) from None
 
 
-def train(cfg: Any, run_dir: Path, sweep: str | None = None) -> list[dict[str, float | None]]:
+def train(cfg: Any, run_dir: Path, sweep: str | None = None) -> list[dict[str, Any]]:
     """Run one experiment described by the composed config ``cfg``; answers its metrics."""
     from omegaconf import OmegaConf
 
@@ -86,7 +86,7 @@ def train(cfg: Any, run_dir: Path, sweep: str | None = None) -> list[dict[str, f
     return asyncio.run(_run(cfg, run_dir, sweep))
 
 
-async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, float | None]]:
+async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any]]:
     import torch
     from omegaconf import OmegaConf
 

@@ -2,7 +2,7 @@
 (``python -m bench.k8s``).
 
 1,000 queued rollouts; the controller makes a Job (and a Secret) for each against the test
-API server (``agl.testing.k8s.ApiServer``), and the node simulator ends every Job after a
+API server (``agl.testing.k8s.api_server.ApiServer``), and the node simulator ends every Job after a
 random delay. The Jobs run no agent, so a Job's end is the only news of an attempt: the
 controller must see it, fail the attempt ("agent exited without reporting a status") and
 delete the Job. Figures per mode:
@@ -30,11 +30,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from agl.backends.execution.k8s import K8sExecutor, K8sExecutorConfig, job_name
+from agl.backends.execution.k8s.config import K8sExecutorConfig
+from agl.backends.execution.k8s.executor import K8sExecutor
+from agl.backends.execution.k8s.naming import job_name
 from agl.core.client import AsyncGatewayClient, fast_http_client
 from agl.core.contracts.records import Status
 from agl.core.controller.reconcile import Controller
-from agl.testing.k8s import ApiServer, NodeSimulator
+from agl.testing.k8s.api_server import ApiServer
+from agl.testing.k8s.node import NodeSimulator
 from agl.testing.processes import gateway_process
 
 TEMPLATE = """\

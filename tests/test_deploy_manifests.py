@@ -20,22 +20,24 @@ from kubernetes.client import ApiClient
 from kubernetes.client import models as k8s_models
 
 from agl.agent import AgentContext
-from agl.backends.execution.k8s import (
+from agl.backends.execution.k8s.config import EgressConfig
+from agl.backends.execution.k8s.manifests import (
+    KEY_ENV,
+    SECRET_KEY,
+    egress_policy,
+    own_job,
+    render_job,
+)
+from agl.backends.execution.k8s.naming import (
     ATTEMPT,
     INSTANCE,
-    KEY_ENV,
     MANAGED_BY,
     ROLE,
     ROLLOUT,
     ROLLOUT_ID,
-    SECRET_KEY,
-    EgressConfig,
-    egress_policy,
     job_name,
-    own_job,
-    render_job,
 )
-from agl.core.gateway.app import GatewayConfig
+from agl.core.gateway.config import GatewayConfig
 from agl.core.run.cli import parse_overrides
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"

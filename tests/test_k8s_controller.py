@@ -1,4 +1,4 @@
-"""The Kubernetes controller against a real API server (``agl.testing.k8s.ApiServer``),
+"""The Kubernetes controller against a real API server (``agl.testing.k8s.api_server.ApiServer``),
 with the node simulator playing the Job controller and the kubelet: every Job's
 container command runs as a local process with the Job's environment, its Secret
 resolved as a kubelet would.
@@ -28,23 +28,17 @@ import orjson
 import pytest
 from kubernetes import client as k8s
 
-from agl.backends.execution.k8s import (
-    ATTEMPT,
-    DELETED,
-    INSTANCE,
-    MANAGED_BY,
-    ROLLOUT_ID,
-    K8sExecutor,
-    K8sExecutorConfig,
-    job_name,
-)
+from agl.backends.execution.k8s.config import K8sExecutorConfig
+from agl.backends.execution.k8s.executor import DELETED, K8sExecutor
+from agl.backends.execution.k8s.naming import ATTEMPT, INSTANCE, MANAGED_BY, ROLLOUT_ID, job_name
 from agl.core.client import AsyncGatewayClient, GatewayClient
 from agl.core.contracts.execution import LOST, NO_STATUS
 from agl.core.contracts.failures import failure_cause, is_final
 from agl.core.contracts.records import Status
 from agl.core.controller.reconcile import Controller
 from agl.testing.faults import TcpProxy
-from agl.testing.k8s import ApiServer, NodeSimulator
+from agl.testing.k8s.api_server import ApiServer
+from agl.testing.k8s.node import NodeSimulator
 from agl.testing.processes import GatewayProcess, gateway_process
 
 REPO = Path(__file__).resolve().parent.parent

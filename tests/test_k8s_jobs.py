@@ -11,20 +11,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agl.backends.execution.k8s import (
+from agl.backends.execution.k8s.config import EgressConfig, K8sExecutorConfig
+from agl.backends.execution.k8s.job_state import job_outcome
+from agl.backends.execution.k8s.manifests import (
     KEY_ENV,
     REPORT_ENV,
-    EgressConfig,
-    K8sExecutorConfig,
-    TokenBucket,
     egress_policy,
-    job_name,
-    job_outcome,
     load_template,
     own_job,
     render_job,
-    rollout_label,
 )
+from agl.backends.execution.k8s.naming import job_name, rollout_label
+from agl.backends.execution.k8s.pacing import TokenBucket
 
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 LABEL_VALUE = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")

@@ -17,13 +17,9 @@ from kubernetes import client as k8s
 from kubernetes import watch as k8s_watch
 from kubernetes.client import ApiClient, V1Job
 
-from agl.testing.k8s import (
-    BACKOFF_LIMIT_EXCEEDED,
-    DEADLINE_EXCEEDED,
-    ApiServer,
-    NodeSimulator,
-    serves,
-)
+from agl.testing.k8s.api_server import ApiServer, serves
+from agl.testing.k8s.job_status import BACKOFF_LIMIT_EXCEEDED, DEADLINE_EXCEEDED
+from agl.testing.k8s.node import NodeSimulator
 
 UNAVAILABLE = ApiServer.available()
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))

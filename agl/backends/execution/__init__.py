@@ -33,7 +33,8 @@ def make_executor(
                     "workspace lives in its pod)"
                 )
             try:
-                from agl.backends.execution.k8s import K8sExecutor, K8sExecutorConfig
+                from agl.backends.execution.k8s.config import K8sExecutorConfig
+                from agl.backends.execution.k8s.executor import K8sExecutor
             except ImportError as error:
                 raise ValueError(
                     f"the k8s executor needs: pip install 'agl[k8s]' (no module {error.name!r})"

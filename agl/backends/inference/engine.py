@@ -36,10 +36,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -260,7 +261,8 @@ class _Slab:
     end: int = 0
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
-    mask: torch.Tensor | None = None  # [capacity, columns] bool
+    # [capacity, columns] bool; empty until the first prompt allocates the buffers
+    mask: torch.Tensor = field(default_factory=lambda: torch.zeros((0, 0), dtype=torch.bool))
     cache: Cache | None = None
 
 
@@ -287,7 +289,8 @@ class Engine:
         if max_context is not None and max_context < 1:
             raise ValueError(f"max_context must be at least 1, not {max_context}")
         self.model = model.eval()
-        self.config = model.config
+        # an HF model's PretrainedConfig (nn.Module's __getattr__ types it as a tensor)
+        self.config: Any = model.config
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
         self.max_context = max_context or int(
@@ -584,7 +587,7 @@ class Engine:
             with suppress(RuntimeError):  # that loop is closed: nobody waits any more
                 loop.call_soon_threadsafe(_deliver_batch, batch)
 
-    def _fail_running(self, error: BaseException, admitted: list[Generation] = ()) -> None:
+    def _fail_running(self, error: BaseException, admitted: Sequence[Generation] = ()) -> None:
         running = {g.request_id: g for g in admitted}
         running.update((row.generation.request_id, row.generation) for row in self._rows)
         for generation in running.values():
@@ -667,7 +670,10 @@ class Engine:
         """Copy prefilled prompts (rows ``source`` of ``cache``) into the slab's new rows."""
         s = self._slab
         width = mask.shape[1]
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        layers = []
+        for layer in cast(list[DynamicLayer], cache.layers):
+            assert layer.keys is not None and layer.values is not None  # the prefill filled it
+            layers.append((layer.keys, layer.values))
         if not s.keys:
             self._allocate(layers[0][0], len(layers), _INITIAL_COLUMNS)
         if s.rows == 0:
@@ -757,7 +763,8 @@ def _eos_ids(model: torch.nn.Module, tokenizer: object) -> frozenset[int]:
 
 
 def _pad_id(model: torch.nn.Module, tokenizer: object) -> int:
-    for value in (getattr(tokenizer, "pad_token_id", None), model.config.pad_token_id):
+    config: Any = model.config
+    for value in (getattr(tokenizer, "pad_token_id", None), config.pad_token_id):
         if isinstance(value, int):
             return value
     return 0

@@ -233,17 +233,16 @@ def _tiny_config(vocab_size: int, eos_id: int, pad_id: int) -> Qwen2Config:
 def _load_tiny(cache_dir: Path, seed: int) -> LoadedModel:
     del cache_dir  # built in well under a second; nothing worth caching
     tokenizer = _tiny_tokenizer()
-    config = _tiny_config(
-        len(tokenizer),
-        tokenizer.convert_tokens_to_ids(EOS_TOKEN),
-        tokenizer.convert_tokens_to_ids(PAD_TOKEN),
-    )
+    eos_id, pad_id = (tokenizer.convert_tokens_to_ids(t) for t in (EOS_TOKEN, PAD_TOKEN))
+    assert isinstance(eos_id, int) and isinstance(pad_id, int)  # one token each
+    config = _tiny_config(len(tokenizer), eos_id, pad_id)
     # Initialize under a private RNG state: same seed -> same weights, and the caller's
     # global torch RNG is left as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
-    model = model.to(torch.float32).eval()
+    # (transformers types PreTrainedModel.to through a decorator that loses its signature)
+    model = model.to(torch.float32).eval()  # type: ignore[arg-type]
     _set_chat_specials(model, tokenizer, chat_template())
     return LoadedModel("tiny", model, tokenizer, TINY_MAX_CONTEXT)
 

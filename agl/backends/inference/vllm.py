@@ -169,7 +169,7 @@ def write_model_folder(model: torch.nn.Module, tokenizer: Any, folder: Path) -> 
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.glob("*.safetensors*"):  # a sharded checkpoint would be read too
         stale.unlink()
-    config = copy.deepcopy(model.config)  # the trainer's own config stays as it is
+    config: Any = copy.deepcopy(model.config)  # the trainer's own config stays as it is
     if getattr(config, "tie_word_embeddings", False):
         config.tie_word_embeddings = False
     config.save_pretrained(folder)

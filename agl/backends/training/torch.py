@@ -326,11 +326,12 @@ class TorchBackend:
         self.config = config
         # nn.Module.to moves in place and returns the same object, so the reference the
         # inference engine holds stays the trained model.
-        self.model = model.to(config.device)
+        # (transformers types PreTrainedModel.to through a decorator that loses its signature)
+        self.model = model.to(config.device)  # type: ignore[arg-type]
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=config.lr,
-            betas=tuple(config.betas),  # a Hydra ListConfig arrives as a list
+            betas=(config.betas[0], config.betas[1]),  # a Hydra ListConfig arrives as a list
             weight_decay=config.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -374,7 +375,7 @@ class TorchBackend:
             self.model.train(was_training)
             # Gradients are as big as the model; the engine gets that memory back.
             self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])
         self.scheduler.step()  # once per step, as verl's train_batch
         return stats.metrics(len(plan.mini_batches), time.perf_counter() - start) | {"lr": lr}
 
@@ -594,7 +595,7 @@ def _forward(
     return logprobs, logprobs.gather(-1, packed.targets[:, None]).squeeze(-1), packed
 
 
-def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+def _frozen_copy(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
     reference = copy.deepcopy(model)
     reference.requires_grad_(False)
     reference.eval()

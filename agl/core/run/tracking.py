@@ -29,7 +29,8 @@ class Tracker:
         resume: bool = False,
     ) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self.history: list[dict[str, float | None]] = []  # None: not finite (JSON null)
+        self.history: list[dict[str, Any]] = []  # JSON rows: the step, then each metric
+        # (None where it was not finite: JSON has no NaN)
         if resume and self.path.exists():
             self.history = [json.loads(line) for line in self.path.read_text().splitlines()]
         self._file = self.path.open("a")

@@ -11,6 +11,9 @@ For each attempt the executor creates, in its namespace:
   ``activeDeadlineSeconds`` from the rollout's timeout, ``ttlSecondsAfterFinished`` and
   the agent's environment.
 
+Those objects are built in ``manifests`` (no API calls); this module makes the calls and
+keeps the state.
+
 It learns what the Jobs do from a label-selected watch, re-opened from the last
 resourceVersion it saw (after ``watch_timeout_s``, or a dropped connection, with
 backoff while the API server is away); a 410 Gone (that version was compacted away)
@@ -34,336 +37,43 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import base64
-import contextlib
 import functools
-import hashlib
-import ipaddress
 import logging
-import math
-import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import orjson
 import urllib3
-import yaml
-from jinja2 import Environment, StrictUndefined, TemplateError
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from agl.backends.execution.k8s.api_errors import RETRYABLE, api_message
+from agl.backends.execution.k8s.config import K8sExecutorConfig
+from agl.backends.execution.k8s.job_state import job_attempt, job_outcome
+from agl.backends.execution.k8s.manifests import (
+    KEY_ENV,
+    egress_policy,
+    job_manifest,
+    load_template,
+    secret_manifest,
+)
+from agl.backends.execution.k8s.naming import INSTANCE, MANAGED_BY, ROLE, job_name
+from agl.backends.execution.k8s.pacing import TokenBucket
 from agl.core.contracts.execution import ORPHANED, Exit, Key, Launch
 
-log = logging.getLogger(__name__)
+# Named for the package: the name log lines and logging settings know the executor by.
+log = logging.getLogger("agl.backends.execution.k8s")
 
 T = TypeVar("T")
 
-MANAGED_BY = "app.kubernetes.io/managed-by"
-INSTANCE = "agl.dev/instance"
-ROLLOUT = "agl.dev/rollout"
-ATTEMPT = "agl.dev/attempt"
-ROLE = "agl.dev/role"
-ROLLOUT_ID = "agl.dev/rollout-id"  # annotation: the exact id (a label value is limited)
-KEY_ENV = "OPENAI_API_KEY"
-SECRET_KEY = "api-key"
-# The report key (agl/core/gateway/auth.py) rides in the same Secret; the Job's ``python -m
-# agl.agent`` takes it out of its environment before the harness starts.
-REPORT_ENV = "AGL_REPORT_KEY"
-REPORT_SECRET_KEY = "report-key"
 DELETED = "Job deleted before it finished"
-NAME_MAX = 63  # a Job's name becomes a label value of its pods
-RETRYABLE = frozenset({429, 500, 502, 503, 504})
-
-
-@dataclass
-class EgressConfig:
-    """The NetworkPolicy that confines agents' egress to the gateway, DNS and ``allow``."""
-
-    enabled: bool = True
-    gateway_pod_labels: dict[str, str] = field(
-        default_factory=lambda: {"app.kubernetes.io/name": "agl-gateway"}
-    )
-    gateway_port: int | None = None  # None: the port of the agent-facing gateway URL
-    dns: bool = True
-    allow: list[str] = field(default_factory=list)  # CIDRs agents may also reach
-
-
-@dataclass
-class K8sExecutorConfig:
-    template: Any  # a path to a YAML/Jinja2 file, an inline YAML string, or a mapping
-    namespace: str = "default"
-    kubeconfig: str | None = None  # None: in-cluster config, else ~/.kube/config
-    instance: str = "agl"  # tells apart several agl runs in one namespace
-    agent_gateway_url: str = ""  # as agents reach the gateway (for the NetworkPolicy)
-    max_jobs: int = 100  # attempts with a Job at once
-    create_qps: float = 20.0  # Job creations per second, on average
-    create_burst: int = 20
-    create_retry_s: float = 60.0  # how long a create is retried through API errors
-    watch: bool = True  # False: learn only from relists (for comparison)
-    relist_s: float = 30.0
-    watch_timeout_s: float = 300.0  # a watch is re-opened from its last version this often
-    active_deadline_s: int = 3600  # for rollouts without a timeout
-    ttl_after_finished_s: int = 600  # the cluster's own clean-up, should we be gone
-    delete_on_close: bool = False  # True: close() deletes the Jobs (the run is over)
-    api_threads: int = 8
-    egress: EgressConfig = field(default_factory=EgressConfig)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.egress, Mapping):
-            self.egress = EgressConfig(**self.egress)
-        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,18}[a-z0-9])?", self.instance):
-            raise ValueError(f"instance {self.instance!r}: 1-20 lowercase letters, digits or '-'")
-        if self.max_jobs < 1 or self.create_qps <= 0 or self.create_burst < 1:
-            raise ValueError("max_jobs, create_qps and create_burst must be positive")
-
-
-# -- names and labels ---------------------------------------------------------------------
-
-
-def _slug(text: str, limit: int) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:limit].strip("-")
-
-
-def job_name(instance: str, rollout_id: str, attempt: int) -> str:
-    """A DNS-1123 label, unique per (instance, rollout, attempt), readable where it can."""
-    digest = hashlib.sha256(f"{instance}/{rollout_id}".encode()).hexdigest()[:10]
-    tail = f"-{digest}-{attempt}"
-    head = _slug(f"{instance}-{rollout_id}", NAME_MAX - len(tail))
-    return f"{head}{tail}"
-
-
-def rollout_label(rollout_id: str) -> str:
-    """The rollout id where it is a valid label value, else a slug plus a digest."""
-    if re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?", rollout_id):
-        return rollout_id
-    digest = hashlib.sha256(rollout_id.encode()).hexdigest()[:10]
-    return f"{_slug(rollout_id, 50) or 'r'}-{digest}"
-
-
-# -- the Job template -----------------------------------------------------------------------
-
-
-def load_template(template: Any, base_dir: Path | None = None) -> str:
-    """The template's text: a mapping is dumped as YAML, a one-line string is a path."""
-    if isinstance(template, Mapping):
-        return yaml.safe_dump(dict(template), sort_keys=False)
-    if not isinstance(template, str) or not template.strip():
-        raise ValueError("controller template: give a path, inline YAML or a mapping")
-    if "\n" in template:
-        return template
-    path = Path(template).expanduser()
-    if not path.is_absolute() and base_dir is not None:
-        path = base_dir / path
-    try:
-        return path.read_text()
-    except OSError as error:
-        raise ValueError(f"controller template {template!r}: {error.strerror}") from None
-
-
-@functools.lru_cache(maxsize=8)
-def _compile(text: str) -> Any:
-    return Environment(undefined=StrictUndefined, keep_trailing_newline=True).from_string(text)
-
-
-def render_job(text: str, variables: Mapping[str, Any]) -> dict[str, Any]:
-    """The template rendered and parsed; ValueError (one line) if it is not a Job."""
-    try:
-        rendered = _compile(text).render(**variables)
-        job = yaml.safe_load(rendered)
-    except (TemplateError, yaml.YAMLError) as error:
-        raise ValueError(f"Job template: {str(error).splitlines()[0]}") from None
-    if not isinstance(job, dict):
-        raise ValueError("Job template: it does not render to a mapping")
-    kind = job.setdefault("kind", "Job")
-    job.setdefault("apiVersion", "batch/v1")
-    if kind != "Job":
-        raise ValueError(f"Job template: kind is {kind!r}, not 'Job'")
-    containers = (
-        job.get("spec", {}).get("template", {}).get("spec", {}).get("containers")
-        if isinstance(job.get("spec"), dict)
-        else None
-    )
-    if not isinstance(containers, list) or not containers:
-        raise ValueError("Job template: spec.template.spec.containers is empty")
-    return job
-
-
-def _mapping(parent: dict[str, Any], key: str) -> dict[str, Any]:
-    value = parent.get(key)
-    if not isinstance(value, dict):
-        value = parent[key] = {}
-    return value
-
-
-def own_job(
-    job: dict[str, Any],
-    *,
-    name: str,
-    namespace: str,
-    labels: Mapping[str, str],
-    annotations: Mapping[str, str],
-    env: Mapping[str, str],
-    active_deadline_s: int,
-    ttl_after_finished_s: int,
-) -> dict[str, Any]:
-    """``job`` with what the controller owns set over the template's values."""
-    meta = _mapping(job, "metadata")
-    meta.pop("generateName", None)
-    meta["name"], meta["namespace"] = name, namespace
-    _mapping(meta, "labels").update(labels)
-    _mapping(meta, "annotations").update(annotations)
-    spec = _mapping(job, "spec")
-    spec.update(
-        backoffLimit=0,
-        completions=1,
-        parallelism=1,
-        activeDeadlineSeconds=active_deadline_s,
-        ttlSecondsAfterFinished=ttl_after_finished_s,
-    )
-    pod = _mapping(spec, "template")
-    pod_meta = _mapping(pod, "metadata")
-    _mapping(pod_meta, "labels").update(labels, **{ROLE: "agent"})
-    _mapping(pod_meta, "annotations").update(annotations)
-    pod_spec = _mapping(pod, "spec")
-    pod_spec["restartPolicy"] = "Never"
-    pod_spec.setdefault("automountServiceAccountToken", False)
-    ours = [{"name": k, "value": v} for k, v in env.items() if k != KEY_ENV]
-    ours += [
-        {"name": env_name, "valueFrom": {"secretKeyRef": {"name": name, "key": secret_key}}}
-        for env_name, secret_key in ((KEY_ENV, SECRET_KEY), (REPORT_ENV, REPORT_SECRET_KEY))
-    ]
-    names = {e["name"] for e in ours}
-    for container in pod_spec["containers"]:
-        if not isinstance(container, dict):
-            continue
-        kept = [e for e in container.get("env") or [] if e.get("name") not in names]
-        container["env"] = kept + ours
-    return job
-
-
-# -- the NetworkPolicy ----------------------------------------------------------------------
-
-
-def egress_policy(
-    name: str, namespace: str, pod_labels: Mapping[str, str], egress: EgressConfig, gateway_url: str
-) -> dict[str, Any]:
-    """Agents may reach the gateway, DNS and ``egress.allow``, nothing else."""
-    url = urlsplit(gateway_url) if gateway_url else None
-    port = egress.gateway_port or (url.port if url and url.port else None)
-    if port is None and url is not None:
-        port = 443 if url.scheme == "https" else 80
-    ports = [{"protocol": "TCP", "port": port}] if port else []
-    to_gateway: list[dict[str, Any]] = []
-    host = url.hostname if url else None
-    with contextlib.suppress(ValueError, TypeError):
-        address = ipaddress.ip_address(host or "")
-        to_gateway.append({"ipBlock": {"cidr": f"{address}/{address.max_prefixlen}"}})
-    if egress.gateway_pod_labels:
-        to_gateway.append({"podSelector": {"matchLabels": dict(egress.gateway_pod_labels)}})
-    rules: list[dict[str, Any]] = []
-    if to_gateway:
-        rules.append({"to": to_gateway, **({"ports": ports} if ports else {})})
-    if egress.dns:
-        rules.append(
-            {
-                "to": [
-                    {
-                        "namespaceSelector": {},
-                        "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
-                    }
-                ],
-                "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
-            }
-        )
-    for cidr in egress.allow:
-        try:
-            ipaddress.ip_network(cidr, strict=False)
-        except ValueError:
-            raise ValueError(f"egress.allow: {cidr!r} is not a CIDR") from None
-        rules.append({"to": [{"ipBlock": {"cidr": cidr}}]})
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": {"name": name, "namespace": namespace, "labels": {MANAGED_BY: "agl"}},
-        "spec": {
-            "podSelector": {"matchLabels": dict(pod_labels)},
-            "policyTypes": ["Egress"],
-            "egress": rules,
-        },
-    }
-
-
-# -- reading Jobs ---------------------------------------------------------------------------
-
-
-def job_outcome(job: Mapping[str, Any]) -> tuple[bool, str | None]:
-    """(finished, error): Complete → (True, None); Failed → (True, "Job failed (...)")."""
-    for condition in (job.get("status") or {}).get("conditions") or []:
-        if condition.get("status") != "True":
-            continue
-        if condition.get("type") == "Complete":
-            return True, None
-        if condition.get("type") == "Failed":
-            reason = condition.get("reason") or "Failed"
-            message = condition.get("message") or ""
-            return True, f"Job failed ({reason}): {message}".rstrip(": ")[:500]
-    return False, None
-
-
-def job_attempt(job: Mapping[str, Any]) -> tuple[str, int] | None:
-    meta = job.get("metadata") or {}
-    notes = meta.get("annotations") or {}
-    try:
-        return str(notes[ROLLOUT_ID]), int(notes[ATTEMPT])
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def api_message(error: ApiException) -> str:
-    """The API server's own message (its Status body), on one line."""
-    with contextlib.suppress(orjson.JSONDecodeError, TypeError, AttributeError):
-        body = orjson.loads(error.body or b"")
-        if isinstance(body, dict) and body.get("message"):
-            return " ".join(str(body["message"]).split())[:500]
-    return f"{error.status} {error.reason}"
-
-
-class TokenBucket:
-    """``rate`` acquisitions per second on average, ``burst`` at once."""
-
-    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic):
-        self.rate, self.burst, self.clock = rate, burst, clock
-        self.tokens, self.stamp = float(burst), clock()
-        self.lock = asyncio.Lock()
-
-    def available(self) -> int:
-        """How many acquisitions would not wait now."""
-        self._refill()
-        return int(self.tokens)
-
-    async def take(self) -> None:
-        async with self.lock:
-            self._refill()
-            if self.tokens < 1:
-                await asyncio.sleep((1 - self.tokens) / self.rate)
-                self._refill()
-            self.tokens -= 1
-
-    def _refill(self) -> None:
-        now = self.clock()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-
-
-# -- the executor ---------------------------------------------------------------------------
 
 CREATING, ACTIVE, ENDED, FORGOTTEN = "creating", "active", "ended", "forgotten"
 
@@ -525,33 +235,13 @@ class K8sExecutor:
     # -- building the Job ----------------------------------------------------------------------
 
     def _job(self, name: str, launch: Launch) -> dict[str, Any]:
-        env = launch.env
-        input_value = orjson.loads(env["AGL_INPUT"]) if env.get("AGL_INPUT") else None
-        variables = {
-            "name": name,
-            "namespace": self.config.namespace,
-            "rollout_id": launch.rollout_id,
-            "attempt": launch.attempt,
-            "mode": env.get("AGL_MODE", "train"),
-            "model": env.get("AGL_MODEL", ""),
-            "input": input_value,
-            "input_json": env.get("AGL_INPUT", "null"),
-        }
-        deadline = (
-            math.ceil(launch.timeout_s) if launch.timeout_s else self.config.active_deadline_s
-        )
-        return own_job(
-            render_job(self.template, variables),
-            name=name,
+        return job_manifest(
+            self.template,
+            name,
+            launch,
             namespace=self.config.namespace,
-            labels={
-                **self.labels,
-                ROLLOUT: rollout_label(launch.rollout_id),
-                ATTEMPT: str(launch.attempt),
-            },
-            annotations={ROLLOUT_ID: launch.rollout_id, ATTEMPT: str(launch.attempt)},
-            env=env,
-            active_deadline_s=max(1, deadline),
+            labels=self.labels,
+            default_deadline_s=self.config.active_deadline_s,
             ttl_after_finished_s=self.config.ttl_after_finished_s,
         )
 
@@ -602,16 +292,7 @@ class K8sExecutor:
             wait = min(wait * 2, 5.0)
 
     def _create_secret(self, name: str, key: str, report_key: str) -> None:
-        body = {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": name, "labels": dict(self.labels)},
-            "type": "Opaque",
-            "data": {
-                secret_key: base64.b64encode(value.encode()).decode()
-                for secret_key, value in ((SECRET_KEY, key), (REPORT_SECRET_KEY, report_key))
-            },
-        }
+        body = secret_manifest(name, self.labels, key, report_key)
         try:
             self._retrying(
                 f"creating Secret {name}",

@@ -1,0 +1,51 @@
+"""The settings of ``K8sExecutor`` (``controller=k8s``), checked as they are made; no
+Kubernetes client needed to read them."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class EgressConfig:
+    """The NetworkPolicy that confines agents' egress to the gateway, DNS and ``allow``."""
+
+    enabled: bool = True
+    gateway_pod_labels: dict[str, str] = field(
+        default_factory=lambda: {"app.kubernetes.io/name": "agl-gateway"}
+    )
+    gateway_port: int | None = None  # None: the port of the agent-facing gateway URL
+    dns: bool = True
+    allow: list[str] = field(default_factory=list)  # CIDRs agents may also reach
+
+
+@dataclass
+class K8sExecutorConfig:
+    template: Any  # a path to a YAML/Jinja2 file, an inline YAML string, or a mapping
+    namespace: str = "default"
+    kubeconfig: str | None = None  # None: in-cluster config, else ~/.kube/config
+    instance: str = "agl"  # tells apart several agl runs in one namespace
+    agent_gateway_url: str = ""  # as agents reach the gateway (for the NetworkPolicy)
+    max_jobs: int = 100  # attempts with a Job at once
+    create_qps: float = 20.0  # Job creations per second, on average
+    create_burst: int = 20
+    create_retry_s: float = 60.0  # how long a create is retried through API errors
+    watch: bool = True  # False: learn only from relists (for comparison)
+    relist_s: float = 30.0
+    watch_timeout_s: float = 300.0  # a watch is re-opened from its last version this often
+    active_deadline_s: int = 3600  # for rollouts without a timeout
+    ttl_after_finished_s: int = 600  # the cluster's own clean-up, should we be gone
+    delete_on_close: bool = False  # True: close() deletes the Jobs (the run is over)
+    api_threads: int = 8
+    egress: EgressConfig = field(default_factory=EgressConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.egress, Mapping):
+            self.egress = EgressConfig(**self.egress)
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,18}[a-z0-9])?", self.instance):
+            raise ValueError(f"instance {self.instance!r}: 1-20 lowercase letters, digits or '-'")
+        if self.max_jobs < 1 or self.create_qps <= 0 or self.create_burst < 1:
+            raise ValueError("max_jobs, create_qps and create_burst must be positive")

@@ -1,0 +1,250 @@
+"""The objects the executor creates, built from a launch with no API call: the attempt's
+Job (the user's template rendered, with what the controller owns set over it), the Secret
+holding its keys, and the NetworkPolicy confining agents' egress."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import ipaddress
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+import yaml
+from jinja2 import Environment, StrictUndefined, TemplateError
+
+from agl.backends.execution.k8s.config import EgressConfig
+from agl.backends.execution.k8s.naming import (
+    ATTEMPT,
+    MANAGED_BY,
+    ROLE,
+    ROLLOUT,
+    ROLLOUT_ID,
+    rollout_label,
+)
+from agl.core.contracts.execution import Launch
+
+KEY_ENV = "OPENAI_API_KEY"
+SECRET_KEY = "api-key"
+# The report key (agl/core/gateway/auth.py) rides in the same Secret; the Job's ``python -m
+# agl.agent`` takes it out of its environment before the harness starts.
+REPORT_ENV = "AGL_REPORT_KEY"
+REPORT_SECRET_KEY = "report-key"
+
+# -- the Job template -----------------------------------------------------------------------
+
+
+def load_template(template: Any, base_dir: Path | None = None) -> str:
+    """The template's text: a mapping is dumped as YAML, a one-line string is a path."""
+    if isinstance(template, Mapping):
+        return yaml.safe_dump(dict(template), sort_keys=False)
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError("controller template: give a path, inline YAML or a mapping")
+    if "\n" in template:
+        return template
+    path = Path(template).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise ValueError(f"controller template {template!r}: {error.strerror}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(text: str) -> Any:
+    return Environment(undefined=StrictUndefined, keep_trailing_newline=True).from_string(text)
+
+
+def render_job(text: str, variables: Mapping[str, Any]) -> dict[str, Any]:
+    """The template rendered and parsed; ValueError (one line) if it is not a Job."""
+    try:
+        rendered = _compile(text).render(**variables)
+        job = yaml.safe_load(rendered)
+    except (TemplateError, yaml.YAMLError) as error:
+        raise ValueError(f"Job template: {str(error).splitlines()[0]}") from None
+    if not isinstance(job, dict):
+        raise ValueError("Job template: it does not render to a mapping")
+    kind = job.setdefault("kind", "Job")
+    job.setdefault("apiVersion", "batch/v1")
+    if kind != "Job":
+        raise ValueError(f"Job template: kind is {kind!r}, not 'Job'")
+    containers = (
+        job.get("spec", {}).get("template", {}).get("spec", {}).get("containers")
+        if isinstance(job.get("spec"), dict)
+        else None
+    )
+    if not isinstance(containers, list) or not containers:
+        raise ValueError("Job template: spec.template.spec.containers is empty")
+    return job
+
+
+def _mapping(parent: dict[str, Any], key: str) -> dict[str, Any]:
+    value = parent.get(key)
+    if not isinstance(value, dict):
+        value = parent[key] = {}
+    return value
+
+
+def own_job(
+    job: dict[str, Any],
+    *,
+    name: str,
+    namespace: str,
+    labels: Mapping[str, str],
+    annotations: Mapping[str, str],
+    env: Mapping[str, str],
+    active_deadline_s: int,
+    ttl_after_finished_s: int,
+) -> dict[str, Any]:
+    """``job`` with what the controller owns set over the template's values."""
+    meta = _mapping(job, "metadata")
+    meta.pop("generateName", None)
+    meta["name"], meta["namespace"] = name, namespace
+    _mapping(meta, "labels").update(labels)
+    _mapping(meta, "annotations").update(annotations)
+    spec = _mapping(job, "spec")
+    spec.update(
+        backoffLimit=0,
+        completions=1,
+        parallelism=1,
+        activeDeadlineSeconds=active_deadline_s,
+        ttlSecondsAfterFinished=ttl_after_finished_s,
+    )
+    pod = _mapping(spec, "template")
+    pod_meta = _mapping(pod, "metadata")
+    _mapping(pod_meta, "labels").update(labels, **{ROLE: "agent"})
+    _mapping(pod_meta, "annotations").update(annotations)
+    pod_spec = _mapping(pod, "spec")
+    pod_spec["restartPolicy"] = "Never"
+    pod_spec.setdefault("automountServiceAccountToken", False)
+    ours: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items() if k != KEY_ENV]
+    ours += [
+        {"name": env_name, "valueFrom": {"secretKeyRef": {"name": name, "key": secret_key}}}
+        for env_name, secret_key in ((KEY_ENV, SECRET_KEY), (REPORT_ENV, REPORT_SECRET_KEY))
+    ]
+    names = {e["name"] for e in ours}
+    for container in pod_spec["containers"]:
+        if not isinstance(container, dict):
+            continue
+        kept = [e for e in container.get("env") or [] if e.get("name") not in names]
+        container["env"] = kept + ours
+    return job
+
+
+def job_manifest(
+    template: str,
+    name: str,
+    launch: Launch,
+    *,
+    namespace: str,
+    labels: Mapping[str, str],
+    default_deadline_s: int,
+    ttl_after_finished_s: int,
+) -> dict[str, Any]:
+    """The attempt's Job: ``template`` rendered with the launch's variables, then owned.
+    ``labels`` are the executor's; the rollout's and the attempt's are added here."""
+    env = launch.env
+    input_value = orjson.loads(env["AGL_INPUT"]) if env.get("AGL_INPUT") else None
+    variables = {
+        "name": name,
+        "namespace": namespace,
+        "rollout_id": launch.rollout_id,
+        "attempt": launch.attempt,
+        "mode": env.get("AGL_MODE", "train"),
+        "model": env.get("AGL_MODEL", ""),
+        "input": input_value,
+        "input_json": env.get("AGL_INPUT", "null"),
+    }
+    deadline = math.ceil(launch.timeout_s) if launch.timeout_s else default_deadline_s
+    return own_job(
+        render_job(template, variables),
+        name=name,
+        namespace=namespace,
+        labels={
+            **labels,
+            ROLLOUT: rollout_label(launch.rollout_id),
+            ATTEMPT: str(launch.attempt),
+        },
+        annotations={ROLLOUT_ID: launch.rollout_id, ATTEMPT: str(launch.attempt)},
+        env=env,
+        active_deadline_s=max(1, deadline),
+        ttl_after_finished_s=ttl_after_finished_s,
+    )
+
+
+# -- the Secret ----------------------------------------------------------------------------
+
+
+def secret_manifest(
+    name: str, labels: Mapping[str, str], key: str, report_key: str
+) -> dict[str, Any]:
+    """The Secret named like the Job, holding the attempt's key and report key; the Job's
+    containers read them through ``secretKeyRef`` (:func:`own_job`)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "labels": dict(labels)},
+        "type": "Opaque",
+        "data": {
+            secret_key: base64.b64encode(value.encode()).decode()
+            for secret_key, value in ((SECRET_KEY, key), (REPORT_SECRET_KEY, report_key))
+        },
+    }
+
+
+# -- the NetworkPolicy ----------------------------------------------------------------------
+
+
+def egress_policy(
+    name: str, namespace: str, pod_labels: Mapping[str, str], egress: EgressConfig, gateway_url: str
+) -> dict[str, Any]:
+    """Agents may reach the gateway, DNS and ``egress.allow``, nothing else."""
+    url = urlsplit(gateway_url) if gateway_url else None
+    port = egress.gateway_port or (url.port if url and url.port else None)
+    if port is None and url is not None:
+        port = 443 if url.scheme == "https" else 80
+    ports = [{"protocol": "TCP", "port": port}] if port else []
+    to_gateway: list[dict[str, Any]] = []
+    host = url.hostname if url else None
+    with contextlib.suppress(ValueError, TypeError):
+        address = ipaddress.ip_address(host or "")
+        to_gateway.append({"ipBlock": {"cidr": f"{address}/{address.max_prefixlen}"}})
+    if egress.gateway_pod_labels:
+        to_gateway.append({"podSelector": {"matchLabels": dict(egress.gateway_pod_labels)}})
+    rules: list[dict[str, Any]] = []
+    if to_gateway:
+        rules.append({"to": to_gateway, **({"ports": ports} if ports else {})})
+    if egress.dns:
+        rules.append(
+            {
+                "to": [
+                    {
+                        "namespaceSelector": {},
+                        "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+                    }
+                ],
+                "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+            }
+        )
+    for cidr in egress.allow:
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            raise ValueError(f"egress.allow: {cidr!r} is not a CIDR") from None
+        rules.append({"to": [{"ipBlock": {"cidr": cidr}}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "namespace": namespace, "labels": {MANAGED_BY: "agl"}},
+        "spec": {
+            "podSelector": {"matchLabels": dict(pod_labels)},
+            "policyTypes": ["Egress"],
+            "egress": rules,
+        },
+    }
