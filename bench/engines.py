@@ -340,13 +340,14 @@ def make_trainer(kind: str, work_dir: Path) -> tuple[Any, float]:
     if kind == "torch":
         policy: Any = TorchBackend(loaded.model, TorchBackendConfig(**common))
     elif kind == "verl":
-        from agl.backends.training.verl import VerlBackendConfig, VerlPolicy
+        from agl.backends.training.verl.config import VerlBackendConfig
+        from agl.backends.training.verl.policy import VerlPolicy
 
         config = VerlBackendConfig(**common, torch_threads=torch.get_num_threads())
         policy = VerlPolicy(loaded.model, config, loaded.tokenizer, work_dir=work_dir / kind)
     else:
-        from agl.backends.training.verl import VerlBackendConfig
-        from agl.backends.training.verl_ray import RayVerlPolicy
+        from agl.backends.training.verl.config import VerlBackendConfig
+        from agl.backends.training.verl.ray import RayVerlPolicy
 
         # Each rank gets torch_threads // ranks threads: the two ranks share the cores.
         config = VerlBackendConfig(**common, ranks=2, torch_threads=torch.get_num_threads())

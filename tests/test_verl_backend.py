@@ -1,4 +1,4 @@
-"""The verl training backend (``agl/backends/training/verl.py``) against verl 0.9.1 itself.
+"""The verl training backend (``agl/backends/training/verl/``) against verl 0.9.1 itself.
 
 1. **Layout.** agl samples ↔ verl rows ↔ ``DataProto`` round-trip (Hypothesis); a token is
    trained through verl iff ``TorchBackend`` trains it; verl's own un-padding
@@ -60,17 +60,15 @@ from agl.backends.training.torch import (
     packed_logprobs,
     ppo_clip_loss,
 )
-from agl.backends.training.verl import (
-    TreeSampleError,
-    VerlBackendConfig,
-    VerlPolicy,
-    actor_config,
+from agl.backends.training.verl.config import VerlBackendConfig
+from agl.backends.training.verl.dataproto import (
     from_dataproto,
     mini_batch_rows,
     to_dataproto,
     to_train_tensordict,
 )
-from agl.backends.training.verl_layout import (
+from agl.backends.training.verl.layout import (
+    TreeSampleError,
     VerlRow,
     full_weights,
     join,
@@ -79,6 +77,8 @@ from agl.backends.training.verl_layout import (
     split,
     unpad,
 )
+from agl.backends.training.verl.loss import actor_config
+from agl.backends.training.verl.policy import VerlPolicy
 from agl.core.contracts.samples import Sample
 from agl.core.trainer.schedule import schedule
 from agl.strategies.registry import get

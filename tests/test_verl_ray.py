@@ -1,4 +1,4 @@
-"""verl's FSDP workers on Ray (``agl/backends/training/verl_ray.py``), 2 ranks on CPU.
+"""verl's FSDP workers on Ray (``agl/backends/training/verl/ray.py``), 2 ranks on CPU.
 
 1. **Exact across real ranks.** One ``RayVerlPolicy.train`` (verl's ``RayWorkerGroup`` of
    two ``TrainingWorker`` processes, gloo, FSDP2's gradient average) moves the
@@ -45,8 +45,8 @@ from verl.utils import tensordict_utils as tu
 import agl.strategies.loss  # noqa: F401  (registers the loss strategies)
 from agl.backends.inference.models import load_model
 from agl.backends.training.torch import TorchBackend, TorchBackendConfig
-from agl.backends.training.verl import VerlBackendConfig
-from agl.backends.training.verl_ray import RayVerlPolicy, start_ray
+from agl.backends.training.verl.config import VerlBackendConfig
+from agl.backends.training.verl.ray import RayVerlPolicy, start_ray
 from agl.strategies.registry import get
 from tests.test_verl_backend import CLIP_HIGH, CLIP_LOW
 from tests.test_verl_sampling import SAMPLED, sampled_batch

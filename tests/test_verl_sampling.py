@@ -46,18 +46,16 @@ from agl.backends.inference.models import load_model
 from agl.backends.sampling import logprobs_under
 from agl.backends.training.penalties import entropy_of
 from agl.backends.training.torch import TorchBackend, TorchBackendConfig, packed_logprobs
-from agl.backends.training.verl import (
+from agl.backends.training.verl.config import VerlBackendConfig
+from agl.backends.training.verl.dataproto import from_dataproto, mini_batch_rows, to_dataproto
+from agl.backends.training.verl.layout import TokenTargets, join, split
+from agl.backends.training.verl.policy import VerlPolicy
+from agl.backends.training.verl.sampling import (
     SAMPLING_KEYS,
-    VerlBackendConfig,
-    VerlPolicy,
     _packed_sampling,
-    from_dataproto,
-    mini_batch_rows,
     sampled_model_outputs,
     score_rows,
-    to_dataproto,
 )
-from agl.backends.training.verl_layout import TokenTargets, join, split
 from agl.core.contracts.samples import NO_TRANSFORM, Sample, Sampling
 from agl.strategies.registry import get
 from tests.test_verl_backend import CLIP_HIGH, CLIP_LOW, PAD, linear_samples, make_batch

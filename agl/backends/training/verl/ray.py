@@ -1,6 +1,6 @@
 """verl's FSDP workers on Ray as agl's training backend (``backend=verl backend.ranks=N``).
 
-:class:`RayVerlPolicy` is :class:`~agl.backends.training.verl.VerlPolicy` with the update
+:class:`RayVerlPolicy` is :class:`~agl.backends.training.verl.policy.VerlPolicy` with the update
 moved out of the trainer's process: a verl ``RayWorkerGroup`` of ``N``
 :class:`AglTrainingWorker` actors (verl's ``TrainingWorker``, one FSDP rank each) over a
 ``RayResourcePool``, the layout verl's own ``RayPPOTrainer`` gives its actor. The samples,
@@ -25,7 +25,7 @@ weights, mini-batches and the ``TensorDict`` handed over are the in-process path
    shard per rank under ``folder/verl``); a load pulls the weights back as in 3.
 
 5. **Sampling, reference, correction** as in-process: each worker's engine is verl's
-   FSDP engine with agl's per-token sampling transform (``verl.sampling_engine``,
+   FSDP engine with agl's per-token sampling transform (``sampling.sampling_engine``,
    selected through ``VERL_ENGINE_DEVICE`` on every device); with ``kl_coef`` each rank
    also holds a shard of the KL reference (a second ``TrainingWorker``, loaded from the
    same folder, so it is the weights the policy started from), and the forward-only
@@ -34,7 +34,7 @@ weights, mini-batches and the ``TensorDict`` handed over are the in-process path
    ``infer_batch`` per dp chunk, answers concatenated in order).
 
 **CPU.** verl has no CPU platform; each worker registers agl's CPU platform
-(:func:`~agl.backends.training.verl.ensure_cpu_platform`) and starts its gloo process
+(:func:`~agl.backends.training.verl.platform.ensure_cpu_platform`) and starts its gloo process
 group from the ``RANK``/``WORLD_SIZE``/``MASTER_*`` env ``RayWorkerGroup`` gives it, in its
 ``__init__`` before verl's ``TrainingWorker.__init__`` runs (which would otherwise try
 NCCL on a CUDA platform it falls back to). The resource pool then asks for CPU bundles
@@ -67,16 +67,18 @@ from verl.single_controller.base.decorator import (
 from verl.workers.engine_workers import TrainingWorker
 
 from agl.backends.training.lr_schedule import LrSchedule
-from agl.backends.training.verl import (
-    VerlBackendConfig,
-    VerlPolicy,
-    _env,
+from agl.backends.training.verl.config import VerlBackendConfig
+from agl.backends.training.verl.loss import loss_fn
+from agl.backends.training.verl.platform import (
     ensure_cpu_platform,
     ensure_process_group,
+    override_env,
+)
+from agl.backends.training.verl.policy import VerlPolicy
+from agl.backends.training.verl.sampling import register_sampling_engine
+from agl.backends.training.verl.worker import (
     follow_schedule,
-    loss_fn,
     lr_step,
-    register_sampling_engine,
     response_logprobs,
     worker_config,
 )
@@ -121,7 +123,7 @@ class AglTrainingWorker(TrainingWorker):
     calls through the worker group (verl's ``@register`` dispatch).
 
     The engine is verl's FSDP engine with agl's per-token sampling transform
-    (``verl.sampling_engine``, on every device). ``reference`` (a worker config): this
+    (``sampling.sampling_engine``, on every device). ``reference`` (a worker config): this
     rank also holds the KL reference, a second ``TrainingWorker`` only run forward, as
     verl's ``ActorRolloutRefWorker`` holds its ``ref`` (built by
     :meth:`agl_reference_reset`).
@@ -137,7 +139,7 @@ class AglTrainingWorker(TrainingWorker):
             # Before verl's __init__: it starts NCCL on the CUDA platform it falls back to.
             ensure_cpu_platform()
             ensure_process_group()  # gloo, from RayWorkerGroup's RANK/WORLD_SIZE/MASTER_*
-        with _env("VERL_ENGINE_DEVICE", register_sampling_engine()):
+        with override_env("VERL_ENGINE_DEVICE", register_sampling_engine()):
             super().__init__(config)
             self.agl_reference = TrainingWorker(reference) if reference is not None else None
 
@@ -223,7 +225,7 @@ def start_ray(address: str | None, num_cpus: int, object_store_mb: int = 256) ->
     if ray.is_initialized():
         return False
     # Ray workers import agl: the trainer's own import path, whatever the worker's cwd.
-    root = str(Path(__file__).resolve().parents[3])
+    root = str(Path(__file__).resolve().parents[4])  # agl/backends/training/verl/ray.py
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     runtime_env = {"env_vars": {"PYTHONPATH": path}}
     if address is None:

@@ -1,5 +1,5 @@
 """agl samples in verl's row layout, as plain lists (no torch): the pure half of the verl
-backend (``agl/backends/training/verl.py`` turns these rows into a ``DataProto``).
+backend (``agl.backends.training.verl.dataproto`` turns these rows into a ``DataProto``).
 
 verl's actor batch (``verl/trainer/ppo/ray_trainer.py``, ``verl/workers/utils/padding.py``)
 holds one row per sequence: ``prompts`` left-padded to ``P`` columns, ``responses``
