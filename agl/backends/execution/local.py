@@ -1,4 +1,4 @@
-"""``LocalExecutor``: run attempts on this machine (DESIGN.md, "Rollout controller").
+"""``LocalExecutor``: run attempts on this machine (docs/design.md, "Rollout controller").
 
 Two kinds of harness, chosen by the harness string:
 
@@ -142,7 +142,7 @@ def exit_reason(code: int) -> str | None:
 
 def _base_env(extra_pythonpath: list[str]) -> dict[str, str]:
     """This process's environment for a child, less the admin token: an agent gets only
-    its attempt's key (DESIGN.md, "Auth")."""
+    its attempt's key (docs/design.md, "Auth")."""
     env = {k: v for k, v in os.environ.items() if k not in HIDDEN_FROM_AGENTS}
     paths = [*extra_pythonpath, *filter(None, [env.get("PYTHONPATH")])]
     if paths:

@@ -1,4 +1,4 @@
-"""The gateway's records and the rollout state machine (DESIGN.md, "Records").
+"""The gateway's records and the rollout state machine (docs/design.md, "Records").
 
 These pydantic models are the wire format: the gateway validates requests with them and
 the client parses answers into them, so the two cannot drift apart.

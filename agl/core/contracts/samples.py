@@ -1,6 +1,6 @@
 """What the trainer works on: model calls as recorded, and the samples made from them.
 
-``ModelCall`` and ``Sample`` are the stable names of DESIGN.md's Python API; strategies
+``ModelCall`` and ``Sample`` are the stable names of docs/design.md's Python API; strategies
 take and return lists of them, so the algorithms stay pure (no HTTP, no torch).
 """
 

@@ -1,5 +1,5 @@
 """The rollout controller: reconciles the gateway's rollouts with executions
-(DESIGN.md, "Rollout controller").
+(docs/design.md, "Rollout controller").
 
 Each pass (``Controller.step``):
 

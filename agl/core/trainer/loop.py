@@ -1,5 +1,5 @@
 """The trainer loop, backend-agnostic: submit rollouts, collect them, assemble a batch,
-update the policy, publish the new weights, repeat (DESIGN.md, "Trainer loop").
+update the policy, publish the new weights, repeat (docs/design.md, "Trainer loop").
 
 - **sync**: step ``k`` submits batch ``k`` (``groups_per_step`` training examples x
   ``group_size`` rollouts, one ``group_id`` per example), waits for all of it, trains.

@@ -1,4 +1,4 @@
-"""``K8sExecutor``: one Kubernetes Job per rollout attempt (DESIGN.md, "Rollout controller").
+"""``K8sExecutor``: one Kubernetes Job per rollout attempt (docs/design.md, "Rollout controller").
 
 For each attempt the executor creates, in its namespace:
 
