@@ -14,11 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from agl.backends.training.torch import (
-    TorchBackend,
-    TorchBackendConfig,
-    packed_logprobs,
-)
+from agl.backends.training.packing import packed_logprobs
+from agl.backends.training.torch import TorchBackend, TorchBackendConfig
 from agl.backends.training.tree import additive_mask, linear_parents, token_logprobs
 from agl.core.contracts.samples import ModelCall, Sample, Sampling
 from agl.core.trainer.calls import dedup

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from agl.backends.sampling import transformed_logprobs
+from agl.backends.training.packing import packed_logprobs
 from agl.backends.training.penalties import kl_penalty
-from agl.backends.training.torch import TorchBackend, TorchBackendConfig, packed_logprobs
+from agl.backends.training.torch import TorchBackend, TorchBackendConfig
 from agl.core.contracts.samples import NO_TRANSFORM, Sample, Sampling
 from agl.core.trainer.correction import CorrectionConfig, correct
 from agl.strategies.registry import get

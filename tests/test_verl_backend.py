@@ -54,12 +54,8 @@ from verl.workers.utils.padding import (
 
 import agl.strategies.loss  # noqa: F401  (registers the loss strategies)
 from agl.backends.inference.models import load_model
-from agl.backends.training.torch import (
-    TorchBackend,
-    TorchBackendConfig,
-    packed_logprobs,
-    ppo_clip_loss,
-)
+from agl.backends.training.packing import packed_logprobs
+from agl.backends.training.torch import TorchBackend, TorchBackendConfig, ppo_clip_loss
 from agl.backends.training.verl.config import VerlBackendConfig
 from agl.backends.training.verl.dataproto import (
     from_dataproto,

@@ -44,8 +44,9 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 import agl.strategies.loss  # noqa: F401  (registers the loss strategies)
 from agl.backends.inference.models import load_model
 from agl.backends.sampling import logprobs_under
+from agl.backends.training.packing import packed_logprobs
 from agl.backends.training.penalties import entropy_of
-from agl.backends.training.torch import TorchBackend, TorchBackendConfig, packed_logprobs
+from agl.backends.training.torch import TorchBackend, TorchBackendConfig
 from agl.backends.training.verl.config import VerlBackendConfig
 from agl.backends.training.verl.dataproto import from_dataproto, mini_batch_rows, to_dataproto
 from agl.backends.training.verl.layout import TokenTargets, join, split

@@ -50,10 +50,18 @@ import torch
 import transformers
 
 from agl.backends.sampling import logprobs_under
+from agl.backends.training.inputs import check_train_inputs
 from agl.backends.training.lr_schedule import LrSchedule
+from agl.backends.training.packing import (
+    Packed,
+    model_device_dtype,
+    pack,
+    parents_of,
+    row_sampling,
+    selected_logits,
+)
 from agl.backends.training.penalties import Guards, entropy_of, kl_penalty
-from agl.backends.training.tree import ancestor_mask
-from agl.core.contracts.samples import NO_TRANSFORM, Sample, Sampling
+from agl.core.contracts.samples import Sample
 from agl.core.contracts.strategies import Loss
 from agl.core.trainer.correction import correct
 from agl.core.trainer.schedule import MiniBatch, schedule
@@ -80,158 +88,6 @@ class TorchBackendConfig(LrSchedule, Guards):
     # Packing cap (memory); gradients accumulate over the micro-batches of a mini-batch.
     max_tokens_per_micro_batch: int = 4096
     device: str = "cpu"
-
-
-# --- packing ------------------------------------------------------------------------------
-
-
-def parents_of(sample: Sample) -> list[int]:
-    """Each token's parent index: the tree's own, else the previous token (-1 = root)."""
-    if sample.parents is not None:
-        return list(sample.parents)
-    return list(range(-1, len(sample.tokens) - 1))
-
-
-def positions_of(sample: Sample) -> list[int]:
-    if sample.position_ids is not None:
-        return list(sample.position_ids)
-    return list(range(len(sample.tokens)))
-
-
-@dataclass(frozen=True)
-class Packed:
-    """One micro-batch as a single row, and which logits rows to read.
-
-    ``rows[k]`` is the row (in the packed sequence) whose logits predict ``targets[k]``,
-    the ``k``-th selected token; it is token ``token_index[k]`` of sample
-    ``sample_index[k]`` (an index into the packed list).
-    """
-
-    input_ids: torch.Tensor  # [1, T] long
-    position_ids: torch.Tensor  # [1, T] long
-    attention_mask: torch.Tensor  # [1, 1, T, T] additive: 0 allowed, finfo.min blocked
-    rows: torch.Tensor  # [K] long
-    targets: torch.Tensor  # [K] long
-    sample_index: list[int]
-    token_index: list[int]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[1]
-
-
-def block_mask(samples: Sequence[Sample], device: torch.device | str) -> torch.Tensor:
-    """``[T, T]`` bool: causal within each sample (ancestors for a tree), nothing across."""
-    lengths = torch.tensor([len(s.tokens) for s in samples], device=device)
-    segment = torch.repeat_interleave(torch.arange(len(samples), device=device), lengths)
-    allowed = (segment[:, None] == segment[None, :]).tril_()
-    offset = 0
-    for s in samples:
-        n = len(s.tokens)
-        if s.parents is not None:
-            allowed[offset : offset + n, offset : offset + n] = ancestor_mask(s.parents).to(device)
-        offset += n
-    return allowed
-
-
-def pack(
-    samples: Sequence[Sample],
-    selected: Sequence[Sequence[int]],
-    device: torch.device | str,
-    dtype: torch.dtype,
-) -> Packed:
-    """Concatenate ``samples`` into one row; ``selected[j]`` lists the token indices of
-    sample ``j`` whose logprobs are wanted (each must have a parent)."""
-    tokens: list[int] = []
-    positions: list[int] = []
-    rows: list[int] = []
-    targets: list[int] = []
-    sample_index: list[int] = []
-    token_index: list[int] = []
-    for j, (s, chosen) in enumerate(zip(samples, selected, strict=True)):
-        offset = len(tokens)
-        parents = parents_of(s)
-        for i in chosen:
-            if parents[i] < 0:
-                raise ValueError(f"token {i} is a root: nothing predicts it")
-            rows.append(offset + parents[i])
-            targets.append(s.tokens[i])
-            sample_index.append(j)
-            token_index.append(i)
-        tokens.extend(s.tokens)
-        positions.extend(positions_of(s))
-    allowed = block_mask(samples, device)
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    bias.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return Packed(
-        input_ids=torch.tensor([tokens], device=device),
-        position_ids=torch.tensor([positions], device=device),
-        attention_mask=bias[None, None],
-        rows=torch.tensor(rows, dtype=torch.long, device=device),
-        targets=torch.tensor(targets, dtype=torch.long, device=device),
-        sample_index=sample_index,
-        token_index=token_index,
-    )
-
-
-def selected_logits(model: transformers.PreTrainedModel, packed: Packed) -> torch.Tensor:
-    """``[K, V]`` logits (float32 or wider) at ``packed.rows`` only.
-
-    ``logits_to_keep`` given as an index tensor makes the HF causal-LM head (Qwen2, Llama,
-    ...) project just those hidden states, and keeps any model-specific logit processing
-    that calling ``lm_head`` by hand would skip.
-    """
-    out = model(
-        input_ids=packed.input_ids,
-        attention_mask=packed.attention_mask,
-        position_ids=packed.position_ids,
-        use_cache=False,
-        logits_to_keep=packed.rows,
-    )
-    logits = out.logits[0]
-    # log_softmax in fp32 at least, even for a bf16 model (fp64 stays fp64).
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
-
-
-def _row_sampling(samples: Sequence[Sample], packed: Packed) -> list[Sampling] | None:
-    """The sampling transform of each selected token (None: all untransformed)."""
-    if all(s.sampling is None for s in samples):
-        return None
-    return [
-        NO_TRANSFORM if samples[j].sampling is None else samples[j].sampling[i]  # type: ignore[index]
-        for j, i in zip(packed.sample_index, packed.token_index, strict=True)
-    ]
-
-
-def _model_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
-    parameter = next(model.parameters())
-    return parameter.device, parameter.dtype
-
-
-def packed_logprobs(
-    model: transformers.PreTrainedModel, samples: Sequence[Sample]
-) -> list[torch.Tensor]:
-    """Per sample, the logprob of every token from ONE packed forward (0 for roots).
-
-    Runs under the caller's grad mode and the model's current train/eval mode; each
-    token is scored under its ``Sample.sampling`` transform.
-    """
-    device, dtype = _model_device_dtype(model)
-    selected = [[i for i, p in enumerate(parents_of(s)) if p >= 0] for s in samples]
-    packed = pack(samples, selected, device, dtype)
-    if not packed.token_index:
-        return [torch.zeros(len(s.tokens), device=device) for s in samples]
-    logprobs = logprobs_under(selected_logits(model, packed), _row_sampling(samples, packed))
-    picked = logprobs.gather(-1, packed.targets[:, None]).squeeze(-1)
-    # pack() lists the selected tokens sample by sample, so one split gives each its share.
-    shares = picked.split([len(c) for c in selected])
-    out = []
-    for s, chosen, share in zip(samples, selected, shares, strict=True):
-        index = torch.tensor(chosen, dtype=torch.long, device=device)
-        out.append(
-            torch.zeros(len(s.tokens), dtype=picked.dtype, device=device).index_put((index,), share)
-        )
-    return out
 
 
 # --- the loss -----------------------------------------------------------------------------
@@ -544,7 +400,7 @@ class TorchBackend:
         if self.reference is not None:
             with torch.no_grad():
                 ref_logprobs = logprobs_under(
-                    selected_logits(self.reference, packed), _row_sampling(batch, packed)
+                    selected_logits(self.reference, packed), row_sampling(batch, packed)
                 )
                 ref = ref_logprobs.gather(-1, packed.targets[:, None]).squeeze(-1)
             kl_ref = kl_penalty(logp_new, ref, self.config.kl_type)
@@ -589,9 +445,9 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor, Packed]:
     """One packed forward: the transformed ``[K, V]`` logprobs at the selected tokens'
     rows, the selected tokens' logprobs ``[K]``, and the packing."""
-    device, dtype = _model_device_dtype(model)
+    device, dtype = model_device_dtype(model)
     packed = pack(batch, selected, device, dtype)
-    logprobs = logprobs_under(selected_logits(model, packed), _row_sampling(batch, packed))
+    logprobs = logprobs_under(selected_logits(model, packed), row_sampling(batch, packed))
     return logprobs, logprobs.gather(-1, packed.targets[:, None]).squeeze(-1), packed
 
 
@@ -600,39 +456,6 @@ def _frozen_copy(model: transformers.PreTrainedModel) -> transformers.PreTrained
     reference.requires_grad_(False)
     reference.eval()
     return reference
-
-
-def check_train_inputs(samples: list[Sample], advantages: list[float], vocab: int) -> None:
-    """What every training backend's ``train()`` refuses, with a ValueError saying why."""
-    if not samples:
-        raise ValueError("train() needs at least one sample, got an empty list")
-    if len(advantages) != len(samples):
-        raise ValueError(
-            f"need one advantage per sample: {len(samples)} samples, {len(advantages)} advantages"
-        )
-    if not all(math.isfinite(a) for a in advantages):
-        raise ValueError("advantages must be finite numbers")
-    for i, s in enumerate(samples):
-        _check_sample(i, s, vocab)
-
-
-def _check_sample(index: int, sample: Sample, vocab: int) -> None:
-    n = len(sample.tokens)
-    aligned: dict[str, Sequence[object]] = {
-        "action_mask": sample.action_mask,
-        "logprobs": sample.logprobs,
-    }
-    if sample.sampling is not None:
-        aligned["sampling"] = sample.sampling
-    if sample.parents is not None or sample.position_ids is not None:
-        if sample.parents is None or sample.position_ids is None:
-            raise ValueError(f"sample {index}: a tree sample needs both parents and position_ids")
-        aligned |= {"parents": sample.parents, "position_ids": sample.position_ids}
-    for name, values in aligned.items():
-        if len(values) != n:
-            raise ValueError(f"sample {index}: {len(values)} {name} for {n} tokens")
-    if n and not all(0 <= t < vocab for t in sample.tokens):
-        raise ValueError(f"sample {index}: token ids must be in [0, {vocab})")
 
 
 def _scorable(sample: Sample) -> list[int]:

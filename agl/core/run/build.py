@@ -56,10 +56,10 @@ def policy_for(config: Any, loaded: LoadedModel, server: InferenceService, run_d
     from agl.backends.training.torch import TorchBackendConfig
 
     if isinstance(config, TorchBackendConfig):
-        from agl.backends.training.embedded import EmbeddedPolicy
+        from agl.backends.training.collocated import CollocatedPolicy
         from agl.backends.training.torch import TorchBackend
 
-        return EmbeddedPolicy(TorchBackend(loaded.model, config), server.paused)
+        return CollocatedPolicy(TorchBackend(loaded.model, config), server.paused)
     from agl.backends.training.verl.policy import VerlPolicy
 
     if config.on_ray:  # backend.ranks > 1: verl's FSDP workers on Ray

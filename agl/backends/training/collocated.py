@@ -17,7 +17,7 @@ from agl.core.contracts.strategies import Loss
 CHECKPOINT = "policy.pt"
 
 
-class EmbeddedPolicy:
+class CollocatedPolicy:
     def __init__(
         self, backend: TorchBackend, paused: Callable[[], AbstractContextManager[None]]
     ) -> None:
