@@ -25,7 +25,7 @@ ENTRY_POINTS = frozenset(
         "agl.gateway",
         "agl.serve",
         "agl.controller",
-        "agl.rollouts",
+        "agl.rollouts.__main__",
         "agl.report",
         "agl.agent.__main__",
     }

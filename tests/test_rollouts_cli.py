@@ -25,7 +25,9 @@ from agl.core.contracts.records import Event, Rollout
 from agl.core.contracts.samples import BreakReason
 from agl.core.run.folder import RunFolderError, load_run
 from agl.core.trainer.explain import Explanation, calls_from_events, explain
-from agl.rollouts import LS_PAGE, PAGE, Filters, listed, matching, spell, step_of
+from agl.rollouts.ls import LS_PAGE, listed
+from agl.rollouts.select import PAGE, Filters, matching, step_of
+from agl.rollouts.show import spell
 from agl.strategies.registry import get
 from agl.testing.fake_vllm import FakeVllm, encode, reply_for
 from agl.testing.processes import GatewayProcess, free_port, gateway_process
