@@ -671,9 +671,9 @@ class Engine:
         s = self._slab
         width = mask.shape[1]
         layers = []
-        for layer in cast(list[DynamicLayer], cache.layers):
-            assert layer.keys is not None and layer.values is not None  # the prefill filled it
-            layers.append((layer.keys, layer.values))
+        for cached in cast(list[DynamicLayer], cache.layers):
+            assert cached.keys is not None and cached.values is not None  # the prefill filled it
+            layers.append((cached.keys, cached.values))
         if not s.keys:
             self._allocate(layers[0][0], len(layers), _INITIAL_COLUMNS)
         if s.rows == 0:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from agl.backends.training.verl.config import Penalties, VerlBackendConfig
 
 if TYPE_CHECKING:
+    import torch
     from tensordict import TensorDict
 
 __all__ = ["actor_config", "agl_ppo_loss", "loss_fn"]
@@ -100,7 +101,7 @@ def agl_ppo_loss(
     mask = data["response_mask"].bool()
     trained = mask & (weights != 0)
     metrics["agl/trained_tokens"] = float(trained.sum())
-    term = 0.0
+    term: float | torch.Tensor = 0.0
     if penalties.entropy_coef:
         entropy = no_padding_2_padding(model_output["entropy"], data)
         term = term - penalties.entropy_coef * entropy

@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from agl.backends.training.verl.config import VerlBackendConfig
 from agl.backends.training.verl.dataproto import (
@@ -65,6 +65,7 @@ from agl.core.trainer.schedule import schedule
 
 if TYPE_CHECKING:
     import torch
+    import transformers
     from tensordict import TensorDict
 
 __all__ = ["VerlPolicy", "corrected"]
@@ -151,7 +152,7 @@ class VerlPolicy:
 
     ``model`` is updated in place and may be shared with an embedded inference engine:
     ``paused`` (e.g. ``EmbeddedServer.paused``) then gives the block in which nothing
-    generates, as for ``EmbeddedPolicy``; without one (vLLM serves), the caller publishes
+    generates, as for ``CollocatedPolicy``; without one (vLLM serves), the caller publishes
     weights from :meth:`state_dict`. With ``kl_coef`` a second worker holds the KL
     reference, a frozen copy of ``model`` as it is now.
     """
@@ -161,7 +162,7 @@ class VerlPolicy:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: transformers.PreTrainedModel,
         config: VerlBackendConfig,
         tokenizer: Any = None,
         paused: Callable[[], AbstractContextManager[None]] | None = None,
@@ -181,7 +182,7 @@ class VerlPolicy:
 
     def _setup(
         self,
-        model: torch.nn.Module,
+        model: transformers.PreTrainedModel,
         config: VerlBackendConfig,
         tokenizer: Any,
         paused: Callable[[], AbstractContextManager[None]] | None,
@@ -195,7 +196,8 @@ class VerlPolicy:
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="agl-verl-"))
         pad_id = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad_id) if pad_id is not None else 0
-        self.vocab = model.get_input_embeddings().num_embeddings
+        embeddings = cast("torch.nn.Embedding", model.get_input_embeddings())  # typed as a Module
+        self.vocab = embeddings.num_embeddings
 
     def _unshard(self) -> None:
         """Gather every FSDP2 unit's full parameters now, outside inference mode.
@@ -278,7 +280,7 @@ class VerlPolicy:
         under a rollout correction π_old (the current weights' own logprobs) and the IS
         weights, with the rejected tokens made context."""
         reference = self._logprobs(samples, dp, reference=True) if self.config.kl_coef else None
-        refs: list[list[float] | None] = list(reference or [None] * len(samples))
+        refs: list[list[float] | None] = list(reference) if reference else [None] * len(samples)
         correction = self.config.correction
         if not correction.enabled:
             return samples, [TokenTargets(ref_logprobs=r) for r in refs]
@@ -335,7 +337,9 @@ class VerlPolicy:
     def _infer(self, td: TensorDict, reference: bool) -> torch.Tensor:
         """A forward-only pass: ``[rows, R]`` logprobs of the response columns."""
         worker = self.reference if reference else self.worker
-        return response_logprobs(worker, td)["log_probs"]
+        output = response_logprobs(worker, td)
+        assert output is not None  # in-process: the one rank, which always answers
+        return output["log_probs"]
 
     def _refresh(self) -> None:
         """After a step: make the served module hold the updated weights."""
@@ -346,7 +350,7 @@ class VerlPolicy:
         return int(self.worker.engine.get_data_parallel_size())
 
     def _check(self, samples: list[Sample], advantages: list[float]) -> None:
-        from agl.backends.training.torch import check_train_inputs
+        from agl.backends.training.inputs import check_train_inputs
 
         for s in samples:
             if s.parents is not None or s.position_ids is not None:
@@ -364,7 +368,11 @@ class VerlPolicy:
         )
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.worker.engine.module, options=options)
+        # a full model state dict: tensors only (its type admits any state value)
+        state = cast(
+            "dict[str, torch.Tensor]",
+            get_model_state_dict(self.worker.engine.module, options=options),
+        )
         # On CPU "offload" is a no-op: the tensors would be the live parameters.
         return {k: v.detach().clone() for k, v in state.items()}
 

@@ -56,7 +56,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from verl.single_controller.base.decorator import (
     Dispatch,
@@ -85,7 +85,9 @@ from agl.backends.training.verl.worker import (
 
 if TYPE_CHECKING:
     import torch
+    import transformers
     from tensordict import TensorDict
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +114,9 @@ def _rank_zero(worker_group: Any, output: list[Any]) -> Any:
     return output[0]
 
 
+# verl registers its dispatch modes at import time (``Dispatch.register``): the member
+# ``Dispatch.ONE_TO_ALL`` is, by name, ``Dispatch["ONE_TO_ALL"]``, the one mypy can see.
+ONE_TO_ALL: Dispatch = Dispatch["ONE_TO_ALL"]
 TRAIN_DISPATCH = {"dispatch_fn": _train_dispatch, "collect_fn": _rank_zero}
 ONE_TO_ALL_RANK_ZERO = {"dispatch_fn": _to_all, "collect_fn": _rank_zero}
 # One chunk per dp rank, the ranks' answers concatenated in order (verl's infer_batch mesh).
@@ -149,7 +154,7 @@ class AglTrainingWorker(TrainingWorker):
         output = self.train_mini_batch(data)
         return output.cpu() if output is not None else None
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @register(dispatch_mode=ONE_TO_ALL)
     def agl_follow_schedule(self, schedule: LrSchedule) -> None:
         follow_schedule(self, schedule)
 
@@ -168,18 +173,23 @@ class AglTrainingWorker(TrainingWorker):
         """This rank's chunk's response logprobs under the KL reference."""
         return response_logprobs(self._reference(), data)
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @register(dispatch_mode=ONE_TO_ALL)
     def agl_reference_reset(self) -> None:
         """Build the reference's engine (FSDP-shards it over the ranks: all must call)."""
         self._reference().reset()
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @register(dispatch_mode=ONE_TO_ALL)
     def agl_reference_save(self, local_path: str) -> None:
         self._reference().save_checkpoint(local_path)
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @register(dispatch_mode=ONE_TO_ALL)
     def agl_reference_load(self, local_path: str) -> None:
         self._reference().load_checkpoint(local_path, del_local_after_load=False)
+
+    def _fsdp_engine(self) -> FSDPEngine:
+        """This rank's engine, verl's FSDP one (agl's sampling subclass of it), which
+        ``TrainingWorker`` types as its ``BaseEngine``."""
+        return cast("FSDPEngine", self.engine)
 
     def _reference(self) -> TrainingWorker:
         if self.agl_reference is None:
@@ -195,14 +205,20 @@ class AglTrainingWorker(TrainingWorker):
         )
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.engine.module, options=options)
+        # a full model state dict: tensors only (its type admits any state value)
+        state = cast(
+            "dict[str, torch.Tensor]",
+            get_model_state_dict(self._fsdp_engine().module, options=options),
+        )
         return {k: v.detach().clone() for k, v in state.items()}
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @register(dispatch_mode=ONE_TO_ALL)
     def agl_optimizer_steps(self) -> int:
         """AdamW steps this rank has taken (every rank answers: they must agree)."""
         steps = [
-            int(state["step"]) for state in self.engine.optimizer.state.values() if "step" in state
+            int(state["step"])
+            for state in self._fsdp_engine().optimizer.state.values()
+            if "step" in state
         ]
         return max(steps, default=0)
 
@@ -299,7 +315,8 @@ class RayWorkers:
                 threads=threads,
                 reference=reference,
             )
-            group = RayWorkerGroup(
+            # Any: the group binds AglTrainingWorker's @register methods at runtime
+            group: Any = RayWorkerGroup(
                 resource_pool=pool,
                 ray_cls_with_init=worker,
                 device_name=device,
@@ -355,7 +372,7 @@ class RayVerlPolicy(VerlPolicy):
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: transformers.PreTrainedModel,
         config: VerlBackendConfig,
         tokenizer: Any = None,
         paused: Callable[[], AbstractContextManager[None]] | None = None,
@@ -435,7 +452,7 @@ class RayVerlPolicy(VerlPolicy):
             shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
-def _tied(model: torch.nn.Module, name: str) -> bool:
+def _tied(model: transformers.PreTrainedModel, name: str) -> bool:
     """Whether ``name`` is a tied parameter (e.g. ``lm_head.weight`` = the embedding)."""
     if not getattr(model.config, "tie_word_embeddings", False):
         return False
@@ -443,7 +460,7 @@ def _tied(model: torch.nn.Module, name: str) -> bool:
     return out is not None and out.weight is model.get_input_embeddings().weight
 
 
-def _model_folder(model: torch.nn.Module, tokenizer: Any, folder: Path) -> Path:
+def _model_folder(model: transformers.PreTrainedModel, tokenizer: Any, folder: Path) -> Path:
     """``model`` (weights + config) and ``tokenizer`` as an HF folder verl's
     ``_build_module`` loads (``from_pretrained``); answers ``folder``."""
     import copy

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from agl.backends.training.lr_schedule import LrSchedule
 from agl.backends.training.verl.config import VerlBackendConfig
@@ -29,6 +29,7 @@ from agl.backends.training.verl.sampling import sampling_engine
 
 if TYPE_CHECKING:
     import torch
+    import transformers
     from tensordict import TensorDict
 
 __all__ = ["build_worker", "follow_schedule", "lr_step", "response_logprobs", "worker_config"]
@@ -37,7 +38,7 @@ __all__ = ["build_worker", "follow_schedule", "lr_step", "response_logprobs", "w
 _engine_serial = [0]
 
 
-def _shared_module_engine(module: torch.nn.Module) -> str:
+def _shared_module_engine(module: transformers.PreTrainedModel) -> str:
     """Register :func:`sampling_engine`'s class, building on ``module`` instead of loading
     one from disk, under a fresh device key; answers the key (for ``VERL_ENGINE_DEVICE``).
 
@@ -50,7 +51,8 @@ def _shared_module_engine(module: torch.nn.Module) -> str:
     from verl.utils.torch_dtypes import PrecisionType
     from verl.workers.engine import EngineRegistry
 
-    class SharedModuleEngine(sampling_engine()):  # type: ignore[misc, valid-type]
+    # a base class made at runtime (verl is imported lazily): mypy cannot check it
+    class SharedModuleEngine(sampling_engine()):  # type: ignore[misc]
         def _build_module(self) -> torch.nn.Module:
             dtype = PrecisionType.to_dtype(self.engine_config.model_dtype or "fp32")
             apply_monkey_patch(
@@ -129,7 +131,8 @@ def worker_config(config: VerlBackendConfig, model_path: Path, reference: bool =
     optimizer_config = FSDPOptimizerConfig(
         lr=config.lr,
         weight_decay=config.weight_decay,
-        betas=tuple(config.betas),
+        # a Hydra ListConfig arrives as a list; the config's type says it has two items
+        betas=cast("tuple[float, float]", tuple(config.betas)),
         clip_grad=config.grad_clip,
         total_training_steps=1,  # agl's schedule replaces verl's (follow_schedule)
         lr_scheduler_type="constant",
@@ -145,7 +148,7 @@ def worker_config(config: VerlBackendConfig, model_path: Path, reference: bool =
 
 
 def build_worker(
-    model: torch.nn.Module,
+    model: transformers.PreTrainedModel,
     tokenizer: Any,
     config: VerlBackendConfig,
     folder: Path,
