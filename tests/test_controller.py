@@ -25,7 +25,8 @@ import psutil
 import pytest
 
 from agl.agent import AgentContext
-from agl.backends.execution.local import LocalExecutor, LocalExecutorConfig
+from agl.backends.execution.local.config import LocalExecutorConfig
+from agl.backends.execution.local.executor import LocalExecutor
 from agl.core.client import AsyncGatewayClient, GatewayClient
 from agl.core.contracts.execution import LOST, NO_STATUS, ORPHANED, STOPPED, Exit, Launch
 from agl.core.contracts.failures import failure_cause
@@ -627,7 +628,8 @@ def test_throughput_trivial_harness(
 ORPHAN_SCRIPT = """\
 import asyncio, sys
 from pathlib import Path
-from agl.backends.execution.local import LocalExecutor, LocalExecutorConfig
+from agl.backends.execution.local.config import LocalExecutorConfig
+from agl.backends.execution.local.executor import LocalExecutor
 
 async def main() -> None:
     config = LocalExecutorConfig(

@@ -14,7 +14,8 @@ import pytest
 
 from agl.agent import AgentContext
 from agl.backends.execution.confine import confined, unavailable
-from agl.backends.execution.local import LocalExecutor, LocalExecutorConfig
+from agl.backends.execution.local.config import LocalExecutorConfig
+from agl.backends.execution.local.executor import LocalExecutor
 from agl.core.contracts.failures import Cause, failure_cause
 from agl.core.contracts.records import Status
 from agl.grading import GRADE_EVENT, Grade, as_grade, load_grader

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from agl.backends.execution.confine import unavailable
-from agl.backends.execution.local import LocalExecutor, LocalExecutorConfig
+from agl.backends.execution.local.config import LocalExecutorConfig
+from agl.backends.execution.local.executor import LocalExecutor
 from agl.core.contracts.records import Status
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess

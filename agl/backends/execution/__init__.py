@@ -42,7 +42,8 @@ def make_executor(
             config = K8sExecutorConfig(agent_gateway_url=agent_gateway_url, **settings)
             return K8sExecutor(config, base_dir=base_dir)
         if kind == "local":
-            from agl.backends.execution.local import LocalExecutor, LocalExecutorConfig
+            from agl.backends.execution.local.config import LocalExecutorConfig
+            from agl.backends.execution.local.executor import LocalExecutor
 
             return LocalExecutor(
                 LocalExecutorConfig(

@@ -1,0 +1,172 @@
+"""The command harness (``command:<shell command>``): one ``/bin/sh`` process per attempt,
+its output in ``run_dir/attempts/``; with a grader, each attempt in a workspace of its own
+under ``run_dir/workspaces/``, graded here when it ends and removed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import signal
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+from agl.agent import ENV_GRADED, ENV_REPORT_FD, ENV_WORKSPACE, AgentContext, report_pipe
+from agl.backends.execution.local.config import LocalExecutorConfig
+from agl.backends.execution.local.processes import base_env, exit_reason, signal_group, terminate
+from agl.backends.execution.worker import one_line
+from agl.core.contracts.execution import ORPHANED, Exit, Key, Launch
+from agl.core.contracts.failures import GRADER_RAISED
+from agl.core.run.services import die_with_parent
+from agl.grading import Grader, GradeRequest, as_grade, load_grader, post_grade
+
+# The package's name, not this module's: the name its log lines carried before the split.
+log = logging.getLogger("agl.backends.execution.local")
+
+
+class CommandRunner:
+    """Up to ``config.concurrency`` attempt processes of ``command`` at once, each in its
+    own session (and, with a grader, its own workspace)."""
+
+    def __init__(self, config: LocalExecutorConfig, command: str) -> None:
+        self.config = config
+        self.command = command
+        self.grader: Grader | None = load_grader(config.grader) if config.grader else None
+        self.attempt_dir = Path(config.run_dir) / "attempts"
+        self.attempt_dir.mkdir(parents=True, exist_ok=True)
+        self.workspace_dir = Path(config.run_dir) / "workspaces"
+        self.env = base_env(config.extra_pythonpath)
+        self.exits: list[Exit] = []
+        self.running: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self.processes: dict[tuple[str, int], asyncio.subprocess.Process] = {}
+        self.stopping: set[Key] = set()
+        self.closing = False
+
+    @property
+    def free_slots(self) -> int:
+        return 0 if self.closing else max(0, self.config.concurrency - len(self.running))
+
+    async def launch(self, launch: Launch) -> None:
+        key = (launch.rollout_id, launch.attempt)
+        if key in self.running or self.closing:
+            return
+        task = asyncio.create_task(self._run(launch))
+        self.running[key] = task
+
+    async def _run(self, launch: Launch) -> None:
+        key = (launch.rollout_id, launch.attempt)
+        stem = self.attempt_dir / f"{launch.rollout_id}.{launch.attempt}"
+        try:
+            error = await self._execute(launch, stem)
+        except OSError as failure:
+            error = f"cannot start the command: {failure}"
+        finally:
+            self.running.pop(key, None)
+            self.processes.pop(key, None)
+        if key in self.stopping:
+            self.stopping.discard(key)
+            error = ORPHANED
+        self.exits.append(Exit(*key, error))
+
+    async def _execute(self, launch: Launch, stem: Path) -> str | None:
+        if self.grader is None:
+            with report_pipe(launch.report_key) as report_fd:
+                env = {**launch.env, ENV_REPORT_FD: str(report_fd)}
+                process = await self._spawn(launch, stem, env, pass_fds=(report_fd,))
+            return await self._wait(launch, process)
+        workspace = self.workspace_dir / stem.name
+        workspace.mkdir(parents=True, exist_ok=True)
+        try:
+            env = {**launch.env, ENV_WORKSPACE: str(workspace), ENV_GRADED: "1"}
+            process = await self._spawn(launch, stem, env, cwd=workspace)
+            error = await self._wait(launch, process)
+            return error if error is not None else await self._grade(launch, workspace)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, workspace, True)
+
+    async def _spawn(
+        self,
+        launch: Launch,
+        stem: Path,
+        env: dict[str, str],
+        pass_fds: tuple[int, ...] = (),
+        cwd: Path | None = None,
+    ) -> asyncio.subprocess.Process:
+        with open(f"{stem}.out", "wb") as out, open(f"{stem}.err", "wb") as err:
+            process = await asyncio.create_subprocess_exec(
+                *self.config.wrap(["/bin/sh", "-c", self.command], [cwd] if cwd else None),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env={**self.env, **env},
+                cwd=cwd,
+                pass_fds=pass_fds,
+                start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
+        self.processes[(launch.rollout_id, launch.attempt)] = process
+        return process
+
+    async def _wait(self, launch: Launch, process: asyncio.subprocess.Process) -> str | None:
+        try:
+            await asyncio.wait_for(process.wait(), launch.timeout_s)
+        except TimeoutError:
+            await terminate(process)
+            return f"timed out after {launch.timeout_s:g} s"
+        except asyncio.CancelledError:
+            await asyncio.shield(terminate(process))
+            raise
+        signal_group(process.pid, signal.SIGKILL)  # an attempt's leftovers end with it
+        return exit_reason(process.returncode if process.returncode is not None else -1)
+
+    async def _grade(self, launch: Launch, workspace: Path) -> str | None:
+        """Run the grader on what the harness left and post its verdict; None when it is
+        posted, else the attempt's error. The grader gets the attempt's timeout anew."""
+        assert self.grader is not None
+        context = replace(AgentContext.from_env(launch.env), report_key=launch.report_key)
+        request = GradeRequest(launch.rollout_id, launch.attempt, context.input, workspace)
+        try:
+            grade = as_grade(await asyncio.wait_for(self.grader(request), launch.timeout_s))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            timed_out = isinstance(error, TimeoutError)
+            text = f"timed out after {launch.timeout_s:g} s" if timed_out else one_line(error)
+            log.error(
+                "rollout %s attempt %d: the grader raised\n%s",
+                launch.rollout_id,
+                launch.attempt,
+                "".join(traceback.format_exception(error)).rstrip(),
+            )
+            return f"{GRADER_RAISED}: {text}"
+        try:
+            await post_grade(context, grade)
+        except Exception as error:  # the gateway refused or is gone: not the agent's doing
+            return f"cannot report the grade: {one_line(error)}"
+        return None
+
+    def take_exits(self) -> list[Exit]:
+        exits, self.exits = self.exits, []
+        return exits
+
+    def running_keys(self) -> set[Key]:
+        return set(self.running)
+
+    async def stop(self, keys: set[Key]) -> None:
+        processes = [(k, p) for k, p in self.processes.items() if k in keys]
+        self.stopping.update(k for k, _ in processes)
+        await asyncio.gather(*(terminate(p) for _, p in processes))
+
+    async def close(self) -> None:
+        self.closing = True
+        tasks = list(self.running.values())
+        groups = [p.pid for p in self.processes.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for pid in groups:  # in case a cancel landed mid-kill
+            signal_group(pid, signal.SIGKILL)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes.values() if p.returncode is None]
