@@ -25,7 +25,12 @@ step, as in verl) unless the warm-up takes the whole run.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 LR_SCHEDULERS = ("constant", "cosine", "wsd")
 
@@ -94,3 +99,13 @@ class LrSchedule:
             return (1.0 - m) * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress))) + m
         progress = (step - warmup) / max(1, self.total_training_steps - warmup)
         return max(m, m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def step_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Advance ``scheduler`` one training step, whether or not the step updated anything
+    (a batch with nothing to learn takes no optimizer step; its lr is still spent), so
+    torch's warning about a scheduler step before any optimizer step does not apply."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+        warnings.filterwarnings("ignore", message=r"Seems like `optimizer.step\(\)` has been")
+        scheduler.step()

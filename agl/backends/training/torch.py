@@ -51,7 +51,7 @@ import transformers
 
 from agl.backends.sampling import logprobs_under
 from agl.backends.training.inputs import check_train_inputs
-from agl.backends.training.lr_schedule import LrSchedule
+from agl.backends.training.lr_schedule import LrSchedule, step_schedule
 from agl.backends.training.packing import (
     Packed,
     model_device_dtype,
@@ -232,7 +232,7 @@ class TorchBackend:
             # Gradients are as big as the model; the engine gets that memory back.
             self.optimizer.zero_grad(set_to_none=True)
         lr = float(self.scheduler.get_last_lr()[0])
-        self.scheduler.step()  # once per step, as verl's train_batch
+        step_schedule(self.scheduler)  # once per step, as verl's train_batch
         return stats.metrics(len(plan.mini_batches), time.perf_counter() - start) | {"lr": lr}
 
     def state_dict(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from agl.backends.training.lr_schedule import LrSchedule
+from agl.backends.training.lr_schedule import LrSchedule, step_schedule
 from agl.backends.training.verl.config import VerlBackendConfig
 from agl.backends.training.verl.loss import loss_fn
 from agl.backends.training.verl.platform import (
@@ -183,7 +183,7 @@ def follow_schedule(worker: Any, schedule: LrSchedule) -> None:
     scheduler = worker.engine.lr_scheduler
     scheduler.agl_step = 0
     scheduler.lr_lambdas = [lambda _verl_steps: schedule.lr_factor(scheduler.agl_step)]
-    scheduler.step()  # the factor of step 0 (a warm-up starts at 0)
+    step_schedule(scheduler)  # the factor of step 0 (a warm-up starts at 0)
 
 
 def lr_step(worker: Any) -> float:
@@ -192,7 +192,7 @@ def lr_step(worker: Any) -> float:
     scheduler = worker.engine.lr_scheduler
     lr = float(scheduler.get_last_lr()[0])
     scheduler.agl_step += 1
-    scheduler.step()
+    step_schedule(scheduler)
     return lr
 
 
