@@ -3,6 +3,7 @@ workers running the guess harness through the recording proxy, real updates."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from agl.core.run.build import backend_config
+from agl.core.run.errors import UserError
 from agl.train import CONF, ROOT, check_choices, train
 from tests.train_runs import SMALL, one_line_error, recorded, run_train, trained_two_steps
 
@@ -83,6 +86,17 @@ def test_backend_verl_trains_through_verls_actor(tmp_path: Path) -> None:
     result = run_train(tmp_path, "backend=verl")
     assert result.returncode == 0, result.stderr[-3000:]
     trained_two_steps(tmp_path)
+
+
+def test_backend_verl_without_verl_is_a_one_line_error_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "verl" else real(name, *a)
+    )
+    with pytest.raises(UserError, match=r"backend=verl needs verl 0\.9\.1, which is not installed"):
+        backend_config({"name": "verl", "lr": 1e-3}, steps=2)
 
 
 def test_resume_continues_without_recounting(tmp_path: Path) -> None:

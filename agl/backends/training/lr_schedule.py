@@ -107,5 +107,4 @@ def step_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
     torch's warning about a scheduler step before any optimizer step does not apply."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
-        warnings.filterwarnings("ignore", message=r"Seems like `optimizer.step\(\)` has been")
         scheduler.step()

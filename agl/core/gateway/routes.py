@@ -53,9 +53,6 @@ MAX_PAGE = 1000
 MAX_EVENT_PAGE = 10_000
 
 # Integer query parameters, as SQLite binds them (a larger one was a 500, not a 4xx).
-_Int64 = Int64
-_Attempt = Positive64
-_Offset = Natural64
 _SummaryLimit = Annotated[int, Field(ge=0, le=MAX_PAGE), ASCII_DIGITS]
 
 
@@ -68,7 +65,7 @@ class _SummaryParams(BaseModel):
     status: str | None = Field(default=None, description="comma list; may also repeat")
     mode: Mode | None = None
     group_id: str | None = None
-    step: _Int64 | None = Field(
+    step: Int64 | None = Field(
         default=None,
         description="metadata.step (validation), else metadata.batch + 1 (training)",
     )
@@ -76,7 +73,7 @@ class _SummaryParams(BaseModel):
     max_reward: float | None = Field(default=None, allow_inf_nan=False)
     sort: SortKey = SortKey.CREATED
     desc: bool = False
-    offset: _Offset = 0
+    offset: Natural64 = 0
     limit: _SummaryLimit = Field(default=100, description="0: the total alone")
 
 
@@ -121,7 +118,7 @@ def api_router(gw: Callable[[], Gateway], schema: OpenApiExtras) -> APIRouter:
         mode: str | None = None,
         group_id: str | None = None,
         cursor: str | None = None,
-        limit: _Int64 = 100,
+        limit: Int64 = 100,
     ) -> Response:
         g = gw()
         g.admin(request)
@@ -167,10 +164,10 @@ def api_router(gw: Callable[[], Gateway], schema: OpenApiExtras) -> APIRouter:
     async def get_events(
         request: Request,
         rollout_id: str,
-        attempt: _Attempt | None = None,
+        attempt: Positive64 | None = None,
         type: str | None = None,
         cursor: str | None = None,
-        limit: _Int64 = 1000,
+        limit: Int64 = 1000,
     ) -> Response:
         g = gw()
         principal, _ = await g.readable(request, rollout_id)

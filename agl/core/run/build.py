@@ -9,6 +9,7 @@ Every function raises :class:`UserError` (one line) for a config it cannot honou
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,13 +40,15 @@ def backend_config(group: dict[str, Any], steps: int) -> Any:
         options.pop("torch_threads", None)
         return TorchBackendConfig(**options)
     if group["name"] == "verl":
-        try:
-            from agl.backends.training.verl.config import VerlBackendConfig
-        except ImportError as error:
+        # The config is plain Python; verl itself is imported only when the policy is built,
+        # after the model and the services started: check it is there before all that.
+        if importlib.util.find_spec("verl") is None:
             raise UserError(
-                f"backend=verl needs verl 0.9.1 ({error}): pip install -e '.[verl]' && "
-                "pip install --no-deps verl==0.9.1"
-            ) from None
+                "backend=verl needs verl 0.9.1, which is not installed: "
+                "pip install -e '.[verl]' && pip install --no-deps verl==0.9.1"
+            )
+        from agl.backends.training.verl.config import VerlBackendConfig
+
         return VerlBackendConfig(**options)
     raise UserError(f"backend={group['name']}: no such training backend")
 
