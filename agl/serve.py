@@ -1,4 +1,5 @@
-"""``python -m agl.serve model=tiny host=127.0.0.1 port=8001``: the embedded inference server.
+"""``python -m agl.serve model=tiny host=127.0.0.1 port=8001``: the embedded inference server
+(``model=hf path=<folder or hub id>`` for any Hugging Face causal LM).
 
 An OpenAI-compatible ``/v1/chat/completions`` (vLLM's token-id and logprob extensions
 included) over one model, with batched generation; see ``agl.backends.inference.server``.
@@ -21,7 +22,12 @@ log = logging.getLogger("agl.serve")
 
 @dataclass
 class ServeConfig:
-    model: str = "tiny"
+    model: str = "tiny"  # tiny | smollm2 | hf
+    path: str = ""  # model=hf: a model folder or a hub id
+    dtype: str = "float32"  # model=hf
+    chat_template: str = ""  # model=hf: a jinja file replacing the tokenizer's template
+    trust_remote_code: bool = False  # model=hf
+    tool_parser: str = "hermes"  # the model's tool-call format (hermes | llama3_json | none)
     host: str = "127.0.0.1"
     port: int = 8001
     max_batch_size: int = 32
@@ -55,13 +61,26 @@ def main(argv: list[str] | None = None) -> None:
 
     from agl.backends.inference.engine import Engine
     from agl.backends.inference.models import ModelUnavailable, load_model
+    from agl.backends.inference.pretrained import PretrainedOptions
     from agl.backends.inference.server.app import create_app
+    from agl.backends.inference.server.tools import tool_parser
 
+    parser = None if config.tool_parser == "none" else config.tool_parser
     try:
+        tool_parser(parser)
+        pretrained = None
+        if config.model == "hf":
+            pretrained = PretrainedOptions(
+                path=config.path,
+                dtype=config.dtype,
+                chat_template=config.chat_template or None,
+                trust_remote_code=config.trust_remote_code,
+            )
         loaded = load_model(
             config.model,
             cache_dir=Path(config.cache_dir) if config.cache_dir else None,
             seed=config.seed,
+            pretrained=pretrained,
         )
     except (ValueError, ModelUnavailable) as error:
         sys.stderr.write(f"agl.serve: {error}\n")
@@ -96,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         uvicorn.run(
-            create_app(engine, loaded.tokenizer, name),
+            create_app(engine, loaded.tokenizer, name, parser),
             host=config.host,
             port=config.port,
             log_level=config.log_level,

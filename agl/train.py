@@ -106,12 +106,16 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
     )
     from agl.core.run.console import Progress, summary
     from agl.core.run.services import ChildGateway
+    from agl.core.run.datasets import DatasetError
     from agl.core.run.tasks import Task, TaskConfig
     from agl.core.run.tracking import Tracker
     from agl.core.trainer.loop import Trainer, TrainerConfig
     from agl.strategies.registry import get
 
     started = time.monotonic()
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise UserError(f"set {', '.join(missing)} (on the command line: key=value)")
     options = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     torch.manual_seed(cfg.seed)
     try:
@@ -121,6 +125,9 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
         advantage = make_advantage(options["advantage"])
         loss = get("loss", cfg.loss.name)
         task = Task(TaskConfig(**options["task"]), ROOT, seed=cfg.seed)
+        task.check_length(trainer_config.steps, trainer_config.groups_per_step)
+    except DatasetError as error:  # it names the file
+        raise UserError(str(error)) from None
     except (TypeError, ValueError, KeyError) as error:
         raise UserError(f"bad configuration: {error}") from None
     try:

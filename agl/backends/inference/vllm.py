@@ -95,7 +95,7 @@ class VllmOptions:
     kv_cache_gib: int = 1
     enforce_eager: bool = True
     logprobs_mode: str = "processed_logprobs"
-    tool_parser: str | None = "hermes"
+    tool_parser: str | None = "hermes"  # the model's (model.tool_parser); None: no tools
     seed: int = 0
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 300.0

@@ -8,6 +8,7 @@ Every function raises :class:`UserError` (one line) for a config it cannot honou
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 from collections.abc import Callable, Sequence
@@ -104,11 +105,13 @@ def inference_service(
                 max_context=max_context,
                 seed=cfg.seed,
                 num_threads=settings["torch_threads"],
+                tool_parser=loaded.tool_parser,
             )
         if options["name"] == "vllm":
             from agl.backends.inference.vllm import VllmOptions, VllmServers
 
             settings["max_model_len"] = settings.get("max_model_len") or max_context
+            settings["tool_parser"] = loaded.tool_parser  # the model's format, as embedded
             return VllmServers(
                 loaded.model, loaded.tokenizer, loaded.name, run_dir, VllmOptions(**settings)
             )
@@ -169,13 +172,25 @@ def make_advantage(group: dict[str, Any]) -> Advantage:
 def load_configured_model(group: dict[str, Any]) -> LoadedModel:
     """The model of a resolved ``model`` config group (ValueError, ModelUnavailable)."""
     from agl.backends.inference.models import load_model
+    from agl.backends.inference.pretrained import PretrainedOptions
+    from agl.backends.inference.server.tools import tool_parser
 
+    pretrained = None
+    if group["name"] == "hf":
+        keys = {f.name for f in dataclasses.fields(PretrainedOptions)}
+        pretrained = PretrainedOptions(**{k: v for k, v in group.items() if k in keys})
+    parser = group.get("tool_parser", "hermes")
+    tool_parser(parser)  # an unknown name is refused before anything loads
     cache_dir = group.get("cache_dir")
-    return load_model(
+    loaded = load_model(
         group["name"],
         cache_dir=Path(cache_dir) if cache_dir else None,
         seed=group.get("seed", 0),
+        pretrained=pretrained,
+        served_name=group.get("served_name"),
     )
+    loaded.tool_parser = parser
+    return loaded
 
 
 def text_decode(tokenizer: Any) -> Callable[[Sequence[int]], str]:

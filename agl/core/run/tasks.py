@@ -1,6 +1,7 @@
 """A task as configured in ``conf/task/<name>.yaml``: where its harness, data and warm-up
 live (``module:function`` strings, imported from the experiments folder), and the options
-they share."""
+they share. The data is Python (``train_inputs`` / ``val_inputs``) or dataset files
+(``train_files`` / ``val_files``, see ``agl.core.run.datasets``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from agl.core.run.datasets import DatasetStream, map_columns, read_rows
 
 
 def load_callable(spec: str, root: Path | None = None) -> Callable[..., Any]:
@@ -36,8 +39,16 @@ def load_callable(spec: str, root: Path | None = None) -> Callable[..., Any]:
 class TaskConfig:
     name: str
     harness: str
-    train_inputs: str
-    val_inputs: str
+    train_inputs: str | None = None  # "module:function" (step, n, seed, **options)
+    val_inputs: str | None = None  # "module:function" (n, **options)
+    # Dataset files instead of train_inputs / val_inputs: a path or a list of paths
+    # (.jsonl, .json, .parquet); without val_files, validation reads the train files.
+    train_files: str | list[str] | None = None
+    val_files: str | list[str] | None = None
+    columns: dict[str, str] | None = None  # input key: column ("a.b" nests); None: the row
+    shuffle: bool = True  # a new order every epoch
+    data_seed: int | None = None  # the shuffle's seed; null: the run's seed
+    epochs: int | None = None  # passes over the train files a run may take; null: no limit
     warmup: str | None = None
     # Rewards from what the agent left, posted by the controller (agl/grading.py).
     grader: str | None = None
@@ -54,6 +65,17 @@ class TaskConfig:
     val_sets: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if (self.train_inputs is None) == (self.train_files is None):
+            raise ValueError(
+                f"task {self.name}: give the data as train_inputs (Python) or as "
+                "train_files (dataset files), one of the two"
+            )
+        if self.train_inputs is not None and self.val_inputs is None:
+            raise ValueError(f"task {self.name}: train_inputs needs val_inputs too")
+        if self.train_files is None and (self.val_files is not None or self.columns):
+            raise ValueError(f"task {self.name}: val_files and columns need train_files")
+        if self.epochs is not None and self.epochs < 1:
+            raise ValueError(f"task.epochs={self.epochs}: at least 1, or null for no limit")
         for name, spec in self.val_sets.items():
             unknown = set(spec or {}) - {"options", "sampling"}
             if unknown or "/" in name:
@@ -63,6 +85,10 @@ class TaskConfig:
                 )
 
 
+def _paths(files: str | list[str]) -> list[str]:
+    return [files] if isinstance(files, str) else list(files)
+
+
 class Task:
     """The trainer's view of a task (``agl.core.trainer.loop.Task``)."""
 
@@ -70,9 +96,46 @@ class Task:
         self.config = config
         self.root = root
         self.seed = seed
-        self._train = load_callable(config.train_inputs, root)
-        self._val = load_callable(config.val_inputs, root)
         self._warmup = load_callable(config.warmup, root) if config.warmup else None
+        self._train: Callable[..., list[Any]]
+        self._val: Callable[..., list[Any]]
+        if config.train_files is None:
+            assert config.train_inputs is not None and config.val_inputs is not None
+            self._train = load_callable(config.train_inputs, root)
+            self._val = load_callable(config.val_inputs, root)
+            self.train_rows: int | None = None
+        else:
+            self._train, self._val, self.train_rows = self._dataset(config, seed)
+
+    @staticmethod
+    def _dataset(
+        config: TaskConfig, seed: int
+    ) -> tuple[Callable[..., list[Any]], Callable[..., list[Any]], int]:
+        """train_inputs / val_inputs over the dataset files, and the train rows' count."""
+        train_files = _paths(config.train_files)
+        val_files = _paths(config.val_files) if config.val_files is not None else train_files
+        data_seed = seed if config.data_seed is None else config.data_seed
+        streams = []
+        for files in (train_files, val_files):
+            rows = map_columns(read_rows(files), config.columns or {}, ", ".join(files))
+            streams.append(DatasetStream(rows, data_seed, config.shuffle))
+        train, val = streams
+        return (
+            lambda step, n, seed, **options: [{**options, **x} for x in train.batch(step, n)],
+            lambda n, **options: [{**options, **x} for x in val.first(n)],
+            len(train.rows),
+        )
+
+    def check_length(self, steps: int, per_step: int) -> None:
+        """ValueError when ``steps`` of ``per_step`` inputs take more than ``task.epochs``
+        passes over the train files."""
+        epochs, rows = self.config.epochs, self.train_rows
+        if epochs is None or rows is None or steps * per_step <= epochs * rows:
+            return
+        raise ValueError(
+            f"task.epochs={epochs}: {rows} train rows give {epochs * rows // per_step} steps "
+            f"of trainer.groups_per_step={per_step}, and trainer.steps={steps} asks for more"
+        )
 
     def train_inputs(self, batch: int, n: int) -> list[Any]:
         inputs = self._train(batch, n, self.seed, **self.config.options)

@@ -15,13 +15,17 @@ from agl.backends.inference.server.chat import ChatCompletions
 from agl.backends.inference.server.completions import TextCompletions
 from agl.backends.inference.server.model_info import ModelInfo
 from agl.backends.inference.server.tokens import TokenCodec
+from agl.backends.inference.server.tools import tool_parser as tool_parser_named
 from agl.core.gateway.errors import ApiError, error_response
 
 
-def create_app(engine: Engine, tokenizer: Any, model_name: str) -> Starlette:
-    """The ASGI app serving ``engine``'s model as ``model_name``."""
+def create_app(
+    engine: Engine, tokenizer: Any, model_name: str, tool_parser: str | None = "hermes"
+) -> Starlette:
+    """The ASGI app serving ``engine``'s model as ``model_name``; ``tool_parser`` names
+    the format of the model's tool calls (``server.tools``; None: never parsed)."""
     tokens = TokenCodec(tokenizer)  # one for all endpoints: it caches each token's entry
-    chat = ChatCompletions(engine, tokens, model_name)
+    chat = ChatCompletions(engine, tokens, model_name, tool_parser_named(tool_parser))
     text = TextCompletions(engine, tokens, model_name)
     info = ModelInfo(engine, tokens, model_name)
     return Starlette(

@@ -21,16 +21,20 @@ from agl.backends.inference.server.responses import json_response, token_usage, 
 from agl.backends.inference.server.streaming import event_stream, first_deltas
 from agl.backends.inference.server.text import ChoiceOutput, collect
 from agl.backends.inference.server.tokens import TokenCodec
+from agl.backends.inference.server.tools import ToolParser
 from agl.core.gateway.errors import error_response
 
 
 class ChatCompletions:
     """The chat endpoint, over one engine serving one model under one name."""
 
-    def __init__(self, engine: Engine, tokens: TokenCodec, model_name: str) -> None:
+    def __init__(
+        self, engine: Engine, tokens: TokenCodec, model_name: str, tool_parser: ToolParser | None
+    ) -> None:
         self.engine = engine
         self.tokens = tokens
         self.model_name = model_name
+        self.tool_parser = tool_parser
 
     async def chat(self, request: Request) -> Response:
         """``POST /v1/chat/completions``: the messages rendered with the chat template."""
@@ -41,12 +45,13 @@ class ChatCompletions:
             chat.params, chat.max_tokens, prompt_ids, "the messages", self.engine.max_context
         )
         incremental = chat.stream or bool(chat.stop)
+        parser = self.tool_parser if chat.parse_tools else None
         try:
             generation = self.engine.submit(prompt_ids, params, stream=incremental)
         except EngineError as error:  # closed: the server is shutting down
             return error_response(503, str(error))
         outputs = [
-            ChoiceOutput(i, self.tokens, chat.stop, chat.parse_tools, incremental=incremental)
+            ChoiceOutput(i, self.tokens, chat.stop, parser, incremental=incremental)
             for i in range(params.n)
         ]
         try:

@@ -52,7 +52,7 @@ class TextCompletions:
         except EngineError as error:
             return error_response(503, str(error))
         outputs = [
-            ChoiceOutput(i, self.tokens, text.stop, parse_tools=False, incremental=incremental)
+            ChoiceOutput(i, self.tokens, text.stop, tool_parser=None, incremental=incremental)
             for i in range(params.n)
         ]
         try:

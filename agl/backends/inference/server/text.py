@@ -9,7 +9,7 @@ from typing import Any
 
 from agl.backends.inference.engine import Generation
 from agl.backends.inference.server.tokens import Detokenizer, TokenCodec
-from agl.backends.inference.server.tools import TOOL_CALL_START, parse_tool_calls
+from agl.backends.inference.server.tools import ToolParser, partial_suffix
 
 
 @dataclass
@@ -20,7 +20,7 @@ class ChoiceOutput:
     index: int
     tokens: TokenCodec
     stops: tuple[str, ...]
-    parse_tools: bool
+    tool_parser: ToolParser | None  # None: tool calls are not parsed
     incremental: bool
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -85,15 +85,9 @@ class ChoiceOutput:
         text = self.text
         if self.finish_reason:
             return len(text)
-        end = len(text) - max((_partial_suffix(text, s) for s in self.stops), default=0)
-        if self.parse_tools:
-            marker = text.find(TOOL_CALL_START)
-            if marker < 0:
-                marker = len(text) - _partial_suffix(text, TOOL_CALL_START)
-            end = min(end, marker)
-            # The newline before a tool call belongs to the template, not to the content.
-            if text[:end].endswith("\n"):
-                end -= 1
+        end = len(text) - max((partial_suffix(text, s) for s in self.stops), default=0)
+        if self.tool_parser is not None:
+            end = min(end, self.tool_parser.held_from(text))
         return max(end, self.shown)
 
     def take_text(self) -> str:
@@ -114,21 +108,13 @@ class ChoiceOutput:
         return self.take_text(), None
 
     def message(self) -> tuple[str | None, list[dict[str, Any]] | None]:
-        parsed = parse_tool_calls(self.text) if self.parse_tools else None
+        parsed = self.tool_parser.parse(self.text) if self.tool_parser else None
         if parsed is None:
             return self.text, None
         return parsed
 
     def final_reason(self, tool_calls: list[dict[str, Any]] | None) -> str | None:
         return "tool_calls" if tool_calls else self.finish_reason
-
-
-def _partial_suffix(text: str, pattern: str) -> int:
-    """The length of the longest end of ``text`` that begins ``pattern`` (not all of it)."""
-    for k in range(min(len(pattern) - 1, len(text)), 0, -1):
-        if text.endswith(pattern[:k]):
-            return k
-    return 0
 
 
 async def collect(generation: Generation, outputs: list[ChoiceOutput], stops: bool) -> None:
