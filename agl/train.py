@@ -105,8 +105,8 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
         text_decode,
     )
     from agl.core.run.console import Progress, summary
-    from agl.core.run.services import ChildGateway
     from agl.core.run.datasets import DatasetError
+    from agl.core.run.services import ChildGateway
     from agl.core.run.tasks import Task, TaskConfig
     from agl.core.run.tracking import Tracker
     from agl.core.trainer.loop import Trainer, TrainerConfig
@@ -151,6 +151,8 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
                 cache_dir=default_cache_dir().parent / "warmup",
                 model_key=f"{loaded.name}:{cfg.model.get('seed', 0)}",
             )
+            if warm is not None:
+                loaded.weights_from = None  # no longer the weights at model.path
             if warm:
                 log.info("warm-up: %s", warm)
         server = inference_service(options["inference"], loaded, cfg, run_dir)

@@ -76,6 +76,10 @@ class LoadedModel:
     max_context: int
     # The format of its tool calls, a parser of server/tools.py (vLLM's --tool-call-parser)
     tool_parser: str | None = "hermes"
+    # Where its weights are, exactly as loaded (model=hf); None for a model built in code
+    # or once they changed (a warm-up): verl's Ray workers then load a copy the trainer
+    # writes, else they load from here themselves.
+    weights_from: PretrainedOptions | None = None
 
 
 class ModelUnavailable(Exception):
@@ -109,7 +113,9 @@ def load_model(
         except PretrainedUnavailable as error:
             raise ModelUnavailable(str(error)) from None
         served = served_name or Path(pretrained.path.rstrip("/")).name
-        return LoadedModel(served, found.model, found.tokenizer, found.max_context)
+        return LoadedModel(
+            served, found.model, found.tokenizer, found.max_context, weights_from=pretrained
+        )
     loader = _LOADERS.get(name)
     if loader is None:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(KNOWN_MODELS)}")

@@ -75,6 +75,7 @@ def policy_for(config: Any, loaded: LoadedModel, server: InferenceService, run_d
             tokenizer=loaded.tokenizer,
             paused=server.paused,
             work_dir=run_dir / "verl",
+            weights_from=loaded.weights_from,
         )
     return VerlPolicy(
         loaded.model,

@@ -112,6 +112,7 @@ class Task:
         config: TaskConfig, seed: int
     ) -> tuple[Callable[..., list[Any]], Callable[..., list[Any]], int]:
         """train_inputs / val_inputs over the dataset files, and the train rows' count."""
+        assert config.train_files is not None
         train_files = _paths(config.train_files)
         val_files = _paths(config.val_files) if config.val_files is not None else train_files
         data_seed = seed if config.data_seed is None else config.data_seed

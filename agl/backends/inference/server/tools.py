@@ -23,7 +23,9 @@ Parsed = tuple[str | None, list[dict[str, Any]]]
 
 
 class ToolParser(Protocol):
-    name: str
+    @property
+    def name(self) -> str:
+        """vLLM's name for the format."""
 
     def parse(self, text: str) -> Parsed | None:
         """``(content, tool_calls)`` when ``text`` holds tool calls, else None."""

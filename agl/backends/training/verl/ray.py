@@ -7,10 +7,12 @@ moved out of the trainer's process: a verl ``RayWorkerGroup`` of ``N``
 weights, mini-batches and the ``TensorDict`` handed over are the in-process path's
 (``VerlPolicy.train``); only where the update runs differs:
 
-1. **Build.** The trainer writes its module (``save_pretrained``) and tokenizer to
-   ``work_dir/hf_model``; every worker loads it through verl's own ``_build_module``
-   (``from_pretrained``, then FSDP2 shards it), so all ranks start from the very
-   weights the inference engine serves.
+1. **Build.** Every worker loads the model through verl's own ``_build_module``
+   (``from_pretrained``, then FSDP2 shards it) from ``model.path`` itself when the
+   trainer's module still holds exactly those weights (``model=hf``, no warm-up, no
+   ``revision``, which verl's loader cannot name), else from the copy the trainer writes
+   (``save_pretrained``) to ``work_dir/hf_model``: either way all ranks start from the
+   very weights the inference engine serves.
 2. **Update.** Each agl mini-batch (padded to a multiple of the dp size with rows that
    train nothing) is ONE call of :meth:`AglTrainingWorker.agl_train`, dispatched by verl's
    ``train`` mesh (``DataProto``-style contiguous chunks, one per dp rank); each rank runs
@@ -88,6 +90,8 @@ if TYPE_CHECKING:
     import transformers
     from tensordict import TensorDict
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    from agl.backends.inference.pretrained import PretrainedOptions
 
 logger = logging.getLogger(__name__)
 
@@ -283,9 +287,10 @@ class RayWorkers:
     def start(
         cls,
         config: VerlBackendConfig,
-        model_path: Path,
+        model_path: str | Path,
         ranks: int,
         address: str | None,
+        trust_remote_code: bool = False,
     ) -> RayWorkers:
         import ray
         from verl.single_controller.ray import (
@@ -307,10 +312,12 @@ class RayWorkers:
             threads = config.torch_threads
             if device == "cpu":
                 threads = max(1, threads // ranks)
-            reference = worker_config(config, model_path, True) if config.kl_coef else None
+            reference = None
+            if config.kl_coef:
+                reference = worker_config(config, model_path, True, trust_remote_code)
             worker = RayClassWithInitArgs(
                 ray.remote(AglTrainingWorker),
-                config=worker_config(config, model_path),
+                config=worker_config(config, model_path, trust_remote_code=trust_remote_code),
                 device=device,
                 threads=threads,
                 reference=reference,
@@ -377,11 +384,20 @@ class RayVerlPolicy(VerlPolicy):
         tokenizer: Any = None,
         paused: Callable[[], AbstractContextManager[None]] | None = None,
         work_dir: Path | None = None,
+        weights_from: PretrainedOptions | None = None,
     ) -> None:
         self._setup(model, config, tokenizer, paused, work_dir)
         start = time.perf_counter()
-        folder = _model_folder(model, tokenizer, self.work_dir / "hf_model")
-        self.workers = RayWorkers.start(config, folder, config.ranks, config.ray_address)
+        trust_remote_code = False
+        if weights_from is not None and weights_from.revision is None:
+            source: str | Path = weights_from.path
+            trust_remote_code = weights_from.trust_remote_code
+        else:
+            source = _model_folder(model, tokenizer, self.work_dir / "hf_model")
+        self.model_source = source
+        self.workers = RayWorkers.start(
+            config, source, config.ranks, config.ray_address, trust_remote_code
+        )
         # agl.train closes its policy; any other owner that forgets still loses the
         # workers (and a Ray we started) at exit, before Ray's own handler (LIFO).
         atexit.register(self.close)

@@ -88,7 +88,12 @@ def _config_folder(model: Any, tokenizer: Any, folder: Path) -> Path:
     return folder
 
 
-def worker_config(config: VerlBackendConfig, model_path: Path, reference: bool = False) -> Any:
+def worker_config(
+    config: VerlBackendConfig,
+    model_path: str | Path,
+    reference: bool = False,
+    trust_remote_code: bool = False,
+) -> Any:
     """verl's ``TrainingWorkerConfig`` (FSDP engine, AdamW, constant lr) for the HF folder
     ``model_path``: the config only (in-process, the engine is built on the caller's
     module) or config plus weights (Ray workers load them, see ``verl.ray``).
@@ -108,6 +113,7 @@ def worker_config(config: VerlBackendConfig, model_path: Path, reference: bool =
 
     model_config = HFModelConfig(
         path=str(model_path),
+        trust_remote_code=trust_remote_code,
         override_config={"attn_implementation": config.attn_implementation},
         use_remove_padding=config.use_remove_padding,
         enable_gradient_checkpointing=config.gradient_checkpointing,
