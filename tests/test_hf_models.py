@@ -281,3 +281,44 @@ def test_a_chat_template_file_replaces_the_folders_own(tmp_path: Path) -> None:
     )
     assert loaded.tokenizer.chat_template == template.read_text()
     assert loaded.name == "llama" and loaded.max_context == 1024
+
+
+def test_agl_serve_serves_a_folder_with_its_template_and_tool_parser(tmp_path: Path) -> None:
+    """``python -m agl.serve model=hf path=<folder>``: the model under its folder's name,
+    a chat with tools and a tool-call history rendered by the folder's own template."""
+    import openai
+
+    from agl.core.run.services import free_port
+    from agl.testing.processes import wait_healthy
+
+    folder = write_llama(tmp_path / "my-llama")
+    port = free_port()
+    command = [sys.executable, "-m", "agl.serve", "model=hf", f"path={folder}"]
+    process = subprocess.Popen(
+        [*command, "tool_parser=llama3_json", f"port={port}", "log_level=warning"], cwd=ROOT
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", process, timeout_s=120)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        assert [m.id for m in client.models.list()] == ["my-llama"]
+        call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+        tool = {"type": "function", "function": {"name": "add", "parameters": {}}}
+        reply = client.chat.completions.create(
+            model="my-llama",
+            messages=[
+                {"role": "user", "content": "What is 3 + 4 ?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "7"},
+            ],
+            tools=[tool],  # type: ignore[list-item]
+            max_tokens=4,
+        )
+        assert reply.usage is not None and reply.usage.prompt_tokens > 30
+        assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    refused = subprocess.run(
+        [*command[:-1], f"path={tmp_path}/nope"], capture_output=True, text=True, timeout=120
+    )
+    assert refused.returncode == 2 and refused.stderr.startswith("agl.serve: model.path=")
