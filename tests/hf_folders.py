@@ -52,6 +52,18 @@ QWEN3_TEMPLATE = (TEMPLATES / "qwen3_nonthinking.jinja").read_text()
 LLAMA31_TEMPLATE = (TEMPLATES / "llama31_json.jinja").read_text()
 
 
+# Both architectures at one small size (GQA; head_dim 32, which vLLM's CPU attention takes).
+SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 1024,
+}
+
+
 def _tokenizer(specials: list[str], **tokens: str | None) -> PreTrainedTokenizerFast:
     vocab = {token: i for i, token in enumerate([*specials, *WORDS])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -74,13 +86,7 @@ def write_qwen3(folder: Path, seed: int = 0) -> Path:
     ids = tokenizer.convert_tokens_to_ids
     config = Qwen3Config(
         vocab_size=len(tokenizer),  # no spare rows a random model could sample
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
+        **SHAPE,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=ids("<|im_end|>"),
@@ -97,12 +103,7 @@ def write_llama(folder: Path, seed: int = 0) -> Path:
     ids = tokenizer.convert_tokens_to_ids
     config = LlamaConfig(
         vocab_size=len(tokenizer),  # no spare rows a random model could sample
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
+        **SHAPE,
         tie_word_embeddings=False,
         bos_token_id=ids("<|begin_of_text|>"),
         eos_token_id=[ids("<|eot_id|>"), ids("<|eom_id|>")],

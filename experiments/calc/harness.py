@@ -21,8 +21,7 @@ import httpx
 import openai
 
 from agl.agent import AgentContext
-from agl.backends.execution.worker import shared_http
-from agl.core.client import fast_http_client
+from agl.backends.execution.worker import attempt_http
 
 SYSTEM = "Answer with the result. A calculator tool is available."
 TOOLS = [
@@ -81,13 +80,8 @@ def final_number(text: str | None) -> float | None:
 
 async def run(env: Mapping[str, str]) -> None:
     agent = AgentContext.from_env(env)
-    pool = shared_http()
-    if pool is not None:
-        await _attempt(agent, pool)
-        return
-    # Outside a worker (the command form): a pool for this attempt alone.
-    async with fast_http_client(8, 600.0) as own:
-        await _attempt(agent, own)
+    async with attempt_http() as http:
+        await _attempt(agent, http)
 
 
 async def _attempt(agent: AgentContext, http: httpx.AsyncClient) -> None:

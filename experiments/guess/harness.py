@@ -34,8 +34,7 @@ import httpx
 import openai
 
 from agl.agent import AgentContext, AgentEnvError
-from agl.backends.execution.worker import shared_http as worker_http
-from agl.core.client import fast_http_client
+from agl.backends.execution.worker import attempt_http
 
 # With one model registered the gateway routes any name to it; AGL_MODEL wins when set.
 DEFAULT_MODEL = "policy"
@@ -270,13 +269,8 @@ def openai_ask(client: openai.AsyncOpenAI, model: str, game: Game) -> Ask:
 async def run(env: Mapping[str, str]) -> None:
     """Play the rollout's game through the proxy and report the reward."""
     agent = AgentContext.from_env(env)
-    pool = worker_http()
-    if pool is not None:
-        await _attempt(agent, pool)
-        return
-    # Outside a worker (the command form, a test): a pool for this attempt alone.
-    async with fast_http_client(8, CALL_TIMEOUT_S) as own:
-        await _attempt(agent, own)
+    async with attempt_http(CALL_TIMEOUT_S) as http:
+        await _attempt(agent, http)
 
 
 async def _attempt(agent: AgentContext, http: httpx.AsyncClient) -> None:

@@ -21,8 +21,7 @@ import httpx
 import openai
 
 from agl.agent import AgentContext
-from agl.backends.execution.worker import shared_http
-from agl.core.client import fast_http_client
+from agl.backends.execution.worker import attempt_http
 
 RETRY = "That is not right. Try again."
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -52,12 +51,8 @@ def is_correct(reply: str | None, answer: object) -> bool:
 
 async def run(env: Mapping[str, str]) -> None:
     agent = AgentContext.from_env(env)
-    pool = shared_http()
-    if pool is not None:
-        await _attempt(agent, pool)
-        return
-    async with fast_http_client(8, 600.0) as own:  # the command form: its own pool
-        await _attempt(agent, own)
+    async with attempt_http() as http:
+        await _attempt(agent, http)
 
 
 async def _attempt(agent: AgentContext, http: httpx.AsyncClient) -> None:

@@ -44,7 +44,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -68,6 +68,17 @@ def shared_http() -> httpx.AsyncClient | None:
     """The worker's HTTP connection pool, for harnesses to pass as ``http=`` (or to an
     OpenAI client as ``http_client=``); None outside a worker process. Never close it."""
     return _HTTP
+
+
+@contextlib.asynccontextmanager
+async def attempt_http(timeout_s: float = 600.0) -> AsyncIterator[httpx.AsyncClient]:
+    """The pool an attempt's calls go through: the worker's own in a worker process,
+    else (the command form, a test) one for this attempt alone, closed after it."""
+    if _HTTP is not None:
+        yield _HTTP
+        return
+    async with fast_http_client(8, timeout_s) as own:
+        yield own
 
 
 def split_harness(spec: str) -> tuple[str, str]:
