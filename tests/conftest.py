@@ -11,11 +11,17 @@ from typing import Any
 import anthropic
 import openai
 import pytest
+from hypothesis import settings
 
 from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.contracts.records import Rollout
 from agl.testing.fake_vllm import FakeVllm, serve_in_thread
 from agl.testing.processes import GatewayProcess, gateway_process
+
+# Tests assert outcomes, never timing: Hypothesis's per-example deadline (200 ms) fails a
+# correct test when both cores are busy (seen on test_malformed_upstream under the suite).
+settings.register_profile("agl", deadline=None)
+settings.load_profile("agl")
 
 
 @pytest.fixture(scope="session")

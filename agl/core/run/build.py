@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from agl.core.contracts.strategies import Advantage
     from agl.core.contracts.training import Policy
     from agl.core.trainer.assemble import MergeStrategy
+    from agl.core.trainer.calls import TokenText
 
 ROOT = Path(__file__).resolve().parents[3]
 CONF = ROOT / "conf"
@@ -194,9 +195,19 @@ def load_configured_model(group: dict[str, Any]) -> LoadedModel:
     return loaded
 
 
-def text_decode(tokenizer: Any) -> Callable[[Sequence[int]], str]:
-    """The text of token ids as merge strategies compare it: special tokens kept."""
-    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
+def text_decode(tokenizer: Any) -> TokenText:
+    """The text of token ids as merge strategies compare it: special tokens kept; the
+    validity check also knows which ids are special."""
+    from agl.core.trainer.calls import TokenText
+
+    # What skip_special_tokens skips: every added token marked special, registered as a
+    # named special (eos, pad) or not (<tool_call>, <think>, ...).
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special = {i for i, token in added.items() if getattr(token, "special", False)}
+    return TokenText(
+        lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
+        frozenset(special | set(tokenizer.all_special_ids)),
+    )
 
 
 def _options(group: dict[str, Any]) -> dict[str, Any]:

@@ -63,14 +63,34 @@ def _is_logprob(value: object) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class TokenText:
+    """A tokenizer's text of token ids, special tokens kept (what the merges compare),
+    and which ids are special: an engine may leave those out of the text it returns
+    (vLLM does unless asked, ``skip_special_tokens``)."""
+
+    decode_ids: Callable[[list[int]], str]
+    special_ids: frozenset[int] = frozenset()
+
+    def __call__(self, ids: Sequence[int]) -> str:
+        return self.decode_ids(list(ids))
+
+    def without_specials(self, ids: Sequence[int]) -> str:
+        return self.decode_ids([t for t in ids if t not in self.special_ids])
+
+
 def text_mismatch(data: Mapping[str, Any], decode: Callable[[list[int]], str]) -> bool:
-    """The response ids do not decode to the text the harness got. Only plain text
-    answers are checked: tool calls and reasoning are parsed out of the decoded text by
-    the server, so their text is legitimately not a substring of it."""
+    """The response ids do not decode to the text the harness got, with special tokens
+    kept or (``decode`` a :class:`TokenText`) left out, as either engine returns it. Only
+    plain text answers are checked: tool calls and reasoning are parsed out of the decoded
+    text by the server, so their text is legitimately not a substring of it."""
     text = data.get("response")
     if not isinstance(text, str) or not text.strip() or data.get("tool_calls"):
         return False
-    return text.strip() not in decode(data["response_ids"])
+    ids = data["response_ids"]
+    if text.strip() in decode(ids):
+        return False
+    return not (isinstance(decode, TokenText) and text.strip() in decode.without_specials(ids))
 
 
 @dataclass(frozen=True)
