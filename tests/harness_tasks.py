@@ -103,7 +103,8 @@ def run_mini_swe_agent(spec: dict[str, Any]) -> dict[str, Any]:
         observation_template=config["model"]["observation_template"],
         format_error_template=config["model"]["format_error_template"],
     )
-    env = LocalEnvironment(cwd=spec["cwd"], timeout=10, **config["environment"])
+    timeout = spec.get("command_timeout_s", 10)
+    env = LocalEnvironment(cwd=spec["cwd"], timeout=timeout, **config["environment"])
     agent = DefaultAgent(model, env, **agent_config)
     result = agent.run(spec["task"])
     return {"exit_status": result.get("exit_status"), "trajectory": spec["trajectory"]}

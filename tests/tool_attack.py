@@ -68,6 +68,9 @@ def main() -> None:
             "seed": 0,
             "max_tokens": 64,
             "trajectory": spec["trajectory"],
+            # The scan reads every open file of every process, and tries each key it
+            # found: on busy cores (the suite beside other work) more than the usual 10 s.
+            "command_timeout_s": 120,
         }
     )
     done = Path(spec["cwd"]) / "hello.txt"
