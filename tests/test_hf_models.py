@@ -203,6 +203,8 @@ def test_a_qwen3_folder_on_vllm_serves_the_trained_weights(
     for row in trained_two_steps(run_dir):
         assert row["merge/samples_per_rollout"] == row["calls/per_rollout"] > 1
         assert row["train/logprob_mismatch"] < 1e-4
+        # vLLM leaves sampled special tokens out of the text; the check accepts that.
+        assert row["calls/invalid"] == 0
     log = (run_dir / "vllm" / "replica-0.log").read_text()
     assert "'tool_call_parser': 'hermes'" in log  # the model's parser, as the embedded one
 
