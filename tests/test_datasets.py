@@ -151,3 +151,32 @@ def test_epochs_bound_the_steps_a_run_may_take(tmp_path: Path) -> None:
 def test_a_task_names_its_data_one_way(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TaskConfig(name="t", harness="m:run", **fields)
+
+
+def test_rows_that_are_not_json_data_are_refused_naming_the_file(tmp_path: Path) -> None:
+    import datetime
+
+    path = tmp_path / "dated.parquet"
+    pq.write_table(pa.Table.from_pylist([{"q": "a", "when": datetime.date(2026, 1, 1)}]), path)
+    with pytest.raises(DatasetError, match=r"dated\.parquet: row 0 is not JSON data"):
+        read_rows([path])
+
+
+def test_inputs_are_deep_copies_of_the_rows() -> None:
+    rows = [{"prompt": [{"role": "user", "content": "hi"}]}]
+    DatasetStream(rows, 0).batch(0, 1)[0]["prompt"][0]["content"] = "changed"
+    assert rows[0]["prompt"][0]["content"] == "hi"
+
+
+def test_the_qa_harness_scores_numbers_numeric_strings_and_strings() -> None:
+    from experiments.qa.harness import is_correct, messages_of
+
+    assert is_correct("3 + 4 = 7", 7) and not is_correct("7 or 8", 7)
+    assert is_correct("The answer is 72.", "72")  # verl keeps ground truths as strings
+    assert is_correct("  Paris ", "paris") and not is_correct("It is Paris", "Paris")
+    assert messages_of("hi", "be brief") == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+    with pytest.raises(ValueError, match="a string or a list of chat messages"):
+        messages_of(3, None)

@@ -324,3 +324,30 @@ def test_agl_serve_serves_a_folder_with_its_template_and_tool_parser(tmp_path: P
         [*command[:-1], f"path={tmp_path}/nope"], capture_output=True, text=True, timeout=120
     )
     assert refused.returncode == 2 and refused.stderr.startswith("agl.serve: model.path=")
+
+
+def test_broken_folders_are_one_line_and_only_exact_float32_weights_load_themselves(
+    tmp_path: Path,
+) -> None:
+    from agl.backends.inference.pretrained import PretrainedOptions
+
+    folder = write_qwen3(tmp_path / "qwen3")
+    loaded = load_model("hf", pretrained=PretrainedOptions(path=str(folder)))
+    assert loaded.weights_from is not None and loaded.weights_from.path == str(folder)
+    as_bf16 = load_model("hf", pretrained=PretrainedOptions(path=str(folder), dtype="bfloat16"))
+    assert as_bf16.weights_from is None  # rounded: verl's fp32 load would differ
+    cases = {
+        "no-tokenizer": ["tokenizer.json", "tokenizer_config.json"],
+        "corrupt": [],
+    }
+    for name, removed in cases.items():
+        broken = write_qwen3(tmp_path / name)
+        for file in removed:
+            (broken / file).unlink()
+        if name == "corrupt":
+            (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+        with pytest.raises(ModelUnavailable) as info:
+            load_model("hf", pretrained=PretrainedOptions(path=str(broken)))
+        assert str(info.value).startswith(f"model.path={broken}: ") and "\n" not in str(info.value)
+    with pytest.raises(ModelUnavailable, match="no such model folder"):
+        load_model("hf", pretrained=PretrainedOptions(path=str(tmp_path / "nowhere")))

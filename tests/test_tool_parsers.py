@@ -30,6 +30,24 @@ LLAMA_CASES = [
     '{"name": "add"}',  # neither arguments nor parameters: content
     '{"name": "add", "parameters": {"x": {"y": [1, 2]}}} tail',
 ]
+# Where agl reads differently from vLLM, on purpose (server/tools.py): (text, agl, vLLM).
+DIFFERENCES = [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {}}', None, [["f", {}]]),  # unterminated
+    (
+        "hermes",
+        '<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>',
+        [["f", {"a": 1}]],
+        None,
+    ),
+    ("hermes", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', None, [["f", [1]]]),
+    (
+        "llama3_json",
+        '{"name": "f", "arguments": "{\\"a\\": 1}"}',
+        [["f", {"a": 1}]],
+        [["f", '{"a": 1}']],
+    ),
+    ("llama3_json", '{"name": "f", "parameters": null}', None, [["f", None]]),
+]
 HERMES_CASES = [
     "no call",
     '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
@@ -126,6 +144,7 @@ def test_the_parsers_read_what_vllms_parsers_of_the_same_name_read(
     if python is None:
         pytest.skip("vLLM is not installed (.venv-vllm, see the README)")
     texts = [("llama3_json", t) for t in LLAMA_CASES] + [("hermes", t) for t in HERMES_CASES]
+    texts += [(name, text) for name, text, _, _ in DIFFERENCES]
     request = {"folders": {k: str(v) for k, v in folders.items()}, "texts": texts}
     result = subprocess.run(
         [str(python), "-c", VLLM_SCRIPT],
@@ -136,6 +155,13 @@ def test_the_parsers_read_what_vllms_parsers_of_the_same_name_read(
     )
     assert result.returncode == 0, result.stderr[-3000:]
     theirs = json.loads(result.stdout.strip().splitlines()[-1])
+    theirs, differing = theirs[: -len(DIFFERENCES)], theirs[-len(DIFFERENCES) :]
+    for (name, text, ours, vllms), got in zip(DIFFERENCES, differing, strict=True):
+        parser = tool_parser(name)
+        assert parser is not None
+        assert summary(parser.parse(text), text)["calls"] == (ours or []), (name, text)
+        assert got["calls"] == (vllms or []), (name, text)  # vLLM's reading, as documented
+    texts = texts[: -len(DIFFERENCES)]
     for (name, text), want in zip(texts, theirs, strict=True):
         parser = tool_parser(name)
         assert parser is not None

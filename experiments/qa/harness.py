@@ -3,10 +3,10 @@ another try after a wrong one (up to ``max_turns`` answers); reward 1.0 when the
 answer matches the row's.
 
 A row (after ``task.columns``) has ``prompt``: a string, or chat messages as verl's
-datasets store them (``[{"role": "user", "content": ...}]``), and ``answer``: a number
-(matched against the last number of the reply) or a string (matched against the reply,
-case and surrounding whitespace aside). Every other key is a knob: ``system``,
-``max_turns``, ``temperature``, ``max_tokens``.
+datasets store them (``[{"role": "user", "content": ...}]``), and ``answer``: a number or a
+string that is one (matched against the last number of the reply) or any other string
+(matched against the reply, case and surrounding whitespace aside). Every other key is a
+knob: ``system``, ``max_turns``, ``temperature``, ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -41,8 +41,11 @@ def messages_of(prompt: object, system: str | None) -> list[dict[str, Any]]:
 
 
 def is_correct(reply: str | None, answer: object) -> bool:
-    """A numeric answer against the reply's last number; any other against the reply."""
+    """A numeric answer (a number, or a string that is one: verl's datasets keep ground
+    truths as strings) against the reply's last number; any other against the reply."""
     reply = reply or ""
+    if isinstance(answer, str) and _NUMBER.fullmatch(answer.strip()):
+        answer = float(answer)
     if isinstance(answer, int | float) and not isinstance(answer, bool):
         numbers = _NUMBER.findall(reply)
         return bool(numbers) and abs(float(numbers[-1]) - float(answer)) < 1e-6

@@ -22,6 +22,7 @@ its authors ship it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -46,6 +47,7 @@ from transformers import (
 from agl.backends.inference.pretrained import (
     PretrainedOptions,
     PretrainedUnavailable,
+    is_local,
     load_pretrained,
 )
 from agl.testing.retok import TOKENIZER_PATH
@@ -76,10 +78,12 @@ class LoadedModel:
     max_context: int
     # The format of its tool calls, a parser of server/tools.py (vLLM's --tool-call-parser)
     tool_parser: str | None = "hermes"
-    # Where its weights are, exactly as loaded (model=hf); None for a model built in code
-    # or once they changed (a warm-up): verl's Ray workers then load a copy the trainer
-    # writes, else they load from here themselves.
+    # Where its weights are, exactly as loaded (model=hf in float32, which any checkpoint
+    # upcasts to as verl's fp32 loader does); None for a model built in code, another
+    # dtype, or once they changed (a warm-up): verl's Ray workers then load a copy the
+    # trainer writes, else they load from here themselves.
     weights_from: PretrainedOptions | None = None
+    trust_remote_code: bool = False  # its folder's own code runs wherever it loads
 
 
 class ModelUnavailable(Exception):
@@ -113,8 +117,17 @@ def load_model(
         except PretrainedUnavailable as error:
             raise ModelUnavailable(str(error)) from None
         served = served_name or Path(pretrained.path.rstrip("/")).name
+        exact = pretrained.dtype == "float32" and pretrained.revision is None
+        if exact and is_local(pretrained.path):  # Ray workers may start elsewhere
+            path = str(Path(pretrained.path).expanduser().resolve())
+            pretrained = dataclasses.replace(pretrained, path=path)
         return LoadedModel(
-            served, found.model, found.tokenizer, found.max_context, weights_from=pretrained
+            served,
+            found.model,
+            found.tokenizer,
+            found.max_context,
+            weights_from=pretrained if exact else None,
+            trust_remote_code=pretrained.trust_remote_code,
         )
     loader = _LOADERS.get(name)
     if loader is None:

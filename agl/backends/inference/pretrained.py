@@ -49,8 +49,27 @@ class Pretrained:
     max_context: int
 
 
+# A folder's tokenizer is one of these; without any, AutoTokenizer may still answer one
+# of its own (a vocabulary of one token), which would train on nonsense.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def is_local(path: str) -> bool:
+    """A filesystem path rather than a hub id (``org/name``)."""
+    return path.startswith(("/", ".", "~")) or Path(path).expanduser().exists()
+
+
 def load_pretrained(options: PretrainedOptions) -> Pretrained:
     """The model and tokenizer at ``options.path`` (PretrainedUnavailable, one line)."""
+    where = f"model.path={options.path}"
+    if is_local(options.path):
+        folder = Path(options.path).expanduser()
+        if not (folder / "config.json").is_file():
+            raise PretrainedUnavailable(f"{where}: no such model folder (no config.json)")
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise PretrainedUnavailable(
+                f"{where}: the folder has no tokenizer ({', '.join(TOKENIZER_FILES)})"
+            )
     common: dict[str, Any] = {
         "revision": options.revision,
         "trust_remote_code": options.trust_remote_code,
@@ -64,8 +83,13 @@ def load_pretrained(options: PretrainedOptions) -> Pretrained:
             **common,
             **{k: v for k, v in extra.items() if v is not None},
         )
-    except (OSError, ValueError, KeyError, ImportError) as error:
-        raise PretrainedUnavailable(f"model.path={options.path}: {_first_line(error)}") from None
+    except Exception as error:  # a hub miss, a corrupt file, a shape mismatch: one line
+        raise PretrainedUnavailable(f"{where}: {_first_line(error)}") from None
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise PretrainedUnavailable(
+            f"{where}: the tokenizer has {len(tokenizer)} tokens, the model embeds {rows}"
+        )
     if options.chat_template is not None:
         template = Path(options.chat_template)
         try:

@@ -96,6 +96,7 @@ class VllmOptions:
     enforce_eager: bool = True
     logprobs_mode: str = "processed_logprobs"
     tool_parser: str | None = "hermes"  # the model's (model.tool_parser); None: no tools
+    trust_remote_code: bool = False  # the model's (model.trust_remote_code)
     seed: int = 0
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 300.0
@@ -353,6 +354,8 @@ class VllmServers:
             args.append("--enforce-eager")
         if o.tool_parser:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", o.tool_parser]
+        if o.trust_remote_code:
+            args.append("--trust-remote-code")
         return [*args, *map(str, o.extra_args)]
 
     def _env(self, index: int) -> dict[str, str]:

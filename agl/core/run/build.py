@@ -77,6 +77,7 @@ def policy_for(config: Any, loaded: LoadedModel, server: InferenceService, run_d
             paused=server.paused,
             work_dir=run_dir / "verl",
             weights_from=loaded.weights_from,
+            trust_remote_code=loaded.trust_remote_code,
         )
     return VerlPolicy(
         loaded.model,
@@ -114,6 +115,7 @@ def inference_service(
 
             settings["max_model_len"] = settings.get("max_model_len") or max_context
             settings["tool_parser"] = loaded.tool_parser  # the model's format, as embedded
+            settings["trust_remote_code"] = loaded.trust_remote_code
             return VllmServers(
                 loaded.model, loaded.tokenizer, loaded.name, run_dir, VllmOptions(**settings)
             )

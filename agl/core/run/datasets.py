@@ -12,6 +12,7 @@ Invariants (``DatasetStream``):
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import random
@@ -35,6 +36,11 @@ def read_rows(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
         found = _read_file(path)
         if not found:
             raise DatasetError(f"{path}: the file has no rows")
+        for i, row in enumerate(found):  # a rollout input is JSON (dates, bytes are not)
+            try:
+                json.dumps(row, allow_nan=False)
+            except (TypeError, ValueError) as error:
+                raise DatasetError(f"{path}: row {i} is not JSON data ({error})") from None
         rows.extend(found)
     return rows
 
@@ -134,7 +140,7 @@ class DatasetStream:
             raise ValueError(f"step {step} and n {n} must not be negative")
         size = len(self.rows)
         return [
-            dict(self.rows[self._order(i // size)[i % size]])
+            copy.deepcopy(self.rows[self._order(i // size)[i % size]])
             for i in range(step * n, (step + 1) * n)
         ]
 

@@ -9,10 +9,10 @@ weights, mini-batches and the ``TensorDict`` handed over are the in-process path
 
 1. **Build.** Every worker loads the model through verl's own ``_build_module``
    (``from_pretrained``, then FSDP2 shards it) from ``model.path`` itself when the
-   trainer's module still holds exactly those weights (``model=hf``, no warm-up, no
-   ``revision``, which verl's loader cannot name), else from the copy the trainer writes
-   (``save_pretrained``) to ``work_dir/hf_model``: either way all ranks start from the
-   very weights the inference engine serves.
+   trainer's module still holds exactly those weights (``model=hf`` in float32, no
+   warm-up, no ``revision``, which verl's loader cannot name), else from the copy the
+   trainer writes (``save_pretrained``) to ``work_dir/hf_model``: either way all ranks
+   start from the very weights the inference engine serves.
 2. **Update.** Each agl mini-batch (padded to a multiple of the dp size with rows that
    train nothing) is ONE call of :meth:`AglTrainingWorker.agl_train`, dispatched by verl's
    ``train`` mesh (``DataProto``-style contiguous chunks, one per dp rank); each rank runs
@@ -385,13 +385,12 @@ class RayVerlPolicy(VerlPolicy):
         paused: Callable[[], AbstractContextManager[None]] | None = None,
         work_dir: Path | None = None,
         weights_from: PretrainedOptions | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         self._setup(model, config, tokenizer, paused, work_dir)
         start = time.perf_counter()
-        trust_remote_code = False
-        if weights_from is not None and weights_from.revision is None:
+        if weights_from is not None:
             source: str | Path = weights_from.path
-            trust_remote_code = weights_from.trust_remote_code
         else:
             source = _model_folder(model, tokenizer, self.work_dir / "hf_model")
         self.model_source = source
