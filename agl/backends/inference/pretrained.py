@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import transformers
@@ -85,7 +85,8 @@ def load_pretrained(options: PretrainedOptions) -> Pretrained:
         )
     except Exception as error:  # a hub miss, a corrupt file, a shape mismatch: one line
         raise PretrainedUnavailable(f"{where}: {_first_line(error)}") from None
-    rows = model.get_input_embeddings().weight.shape[0]
+    embeddings = cast("torch.nn.Embedding", model.get_input_embeddings())  # typed a Module
+    rows = embeddings.num_embeddings
     if len(tokenizer) > rows:
         raise PretrainedUnavailable(
             f"{where}: the tokenizer has {len(tokenizer)} tokens, the model embeds {rows}"
