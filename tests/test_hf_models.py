@@ -180,6 +180,7 @@ def test_verls_ray_workers_load_the_model_from_its_path(
     assert not (run_dir / "verl" / "hf_model").exists()
 
 
+@pytest.mark.timeout(900)
 def test_a_qwen3_folder_on_vllm_serves_the_trained_weights(
     tmp_path: Path, data: dict[str, Path]
 ) -> None:
@@ -209,6 +210,7 @@ def test_a_qwen3_folder_on_vllm_serves_the_trained_weights(
     assert "'tool_call_parser': 'hermes'" in log  # the model's parser, as the embedded one
 
 
+@pytest.mark.timeout(900)
 def test_smollm2_by_the_path_of_its_converted_folder_with_its_own_template(
     tmp_path: Path, data: dict[str, Path]
 ) -> None:

@@ -365,6 +365,7 @@ def test_attach_to_running_servers(served: Served) -> None:
 # ------------------------------------------------------------------- agl.train on vLLM
 
 
+@pytest.mark.timeout(900)  # a whole run, vLLM's start included, as its subprocess
 @pytest.mark.parametrize("backend", ["torch", "verl"])
 def test_agl_train_runs_on_vllm(tmp_path: Path, backend: str) -> None:
     """``python -m agl.train inference=vllm`` on the tiny model: vLLM serves the rollouts,
