@@ -77,6 +77,15 @@ def dataset(data: dict[str, Path]) -> list[str]:
     ]
 
 
+def train_folder(
+    run_dir: Path, folder: Path, data: dict[str, Path], *overrides: str, timeout: float = 600
+) -> None:
+    """``model=hf model.path=folder`` on the dataset task; checks the run succeeded."""
+    overrides = ("model=hf", f"model.path={folder}", *dataset(data), *overrides)
+    result = train(run_dir, *overrides, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def steps(run_dir: Path) -> list[dict[str, Any]]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [row for row in map(json.loads, lines) if "reward/mean" in row]
@@ -119,8 +128,7 @@ def test_a_qwen3_folder_trains_and_its_template_splits_every_later_call(
     ``merge=prefix`` every call is its own sample, each break at that block."""
     folder = write_qwen3(tmp_path / "my-qwen3")
     run_dir = tmp_path / "run"
-    result = train(run_dir, "model=hf", f"model.path={folder}", *dataset(data))
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_folder(run_dir, folder, data)
     for row in trained_two_steps(run_dir):
         assert row["calls/per_rollout"] > 1  # most answers are wrong: a second try
         assert row["merge/samples_per_rollout"] == row["calls/per_rollout"]
@@ -141,15 +149,7 @@ def test_a_llama_folder_trains_on_verl_and_drifts_only_where_it_ended_with_eom(
     pytest.importorskip("verl", reason="backend=verl needs verl (README)")
     folder = write_llama(tmp_path / "my-llama")
     run_dir = tmp_path / "run"
-    result = train(
-        run_dir,
-        "model=hf",
-        f"model.path={folder}",
-        "model.tool_parser=llama3_json",
-        "backend=verl",
-        *dataset(data),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_folder(run_dir, folder, data, "model.tool_parser=llama3_json", "backend=verl")
     for row in trained_two_steps(run_dir):
         assert 1 <= row["merge/samples_per_rollout"] < row["calls/per_rollout"]
     for b in breaks(run_dir):
@@ -166,16 +166,7 @@ def test_verls_ray_workers_load_the_model_from_its_path(
     pytest.importorskip("verl", reason="backend=verl needs verl (README)")
     folder = write_llama(tmp_path / "my-llama")
     run_dir = tmp_path / "run"
-    result = train(
-        run_dir,
-        "model=hf",
-        f"model.path={folder}",
-        "backend=verl",
-        "backend.ranks=2",
-        *dataset(data),
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_folder(run_dir, folder, data, "backend=verl", "backend.ranks=2", timeout=900)
     trained_two_steps(run_dir)
     assert not (run_dir / "verl" / "hf_model").exists()
 
@@ -191,16 +182,7 @@ def test_a_qwen3_folder_on_vllm_serves_the_trained_weights(
         pytest.skip("vLLM is not installed (.venv-vllm, see the README)")
     folder = write_qwen3(tmp_path / "my-qwen3")
     run_dir = tmp_path / "run"
-    result = train(
-        run_dir,
-        "model=hf",
-        f"model.path={folder}",
-        "inference=vllm",
-        f"inference.python={python}",
-        *dataset(data),
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_folder(run_dir, folder, data, "inference=vllm", f"inference.python={python}", timeout=900)
     for row in trained_two_steps(run_dir):
         assert row["merge/samples_per_rollout"] == row["calls/per_rollout"] > 1
         assert row["train/logprob_mismatch"] < 1e-4
@@ -224,17 +206,15 @@ def test_smollm2_by_the_path_of_its_converted_folder_with_its_own_template(
     loaded = load_model("hf", pretrained=_options(folder))
     assert "tools" not in (loaded.tokenizer.chat_template or "")
     run_dir = tmp_path / "run"
-    result = train(
+    train_folder(
         run_dir,
-        "model=hf",
-        f"model.path={folder}",
-        *dataset(data),
+        folder,
+        data,
         "trainer.groups_per_step=2",
         "trainer.group_size=4",
         "trainer.val_size=2",
         timeout=900,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     assert [row["step"] for row in steps(run_dir)] == [1, 2]
     assert all(row["train/tokens_trained"] > 0 for row in steps(run_dir))
 

@@ -113,14 +113,15 @@ class Task:
     ) -> tuple[Callable[..., list[Any]], Callable[..., list[Any]], int]:
         """train_inputs / val_inputs over the dataset files, and the train rows' count."""
         assert config.train_files is not None
-        train_files = _paths(config.train_files)
-        val_files = _paths(config.val_files) if config.val_files is not None else train_files
         data_seed = seed if config.data_seed is None else config.data_seed
-        streams = []
-        for files in (train_files, val_files):
+
+        def stream(files: list[str]) -> DatasetStream:
             rows = map_columns(read_rows(files), config.columns or {}, ", ".join(files))
-            streams.append(DatasetStream(rows, data_seed, config.shuffle))
-        train, val = streams
+            return DatasetStream(rows, data_seed, config.shuffle)
+
+        train = stream(_paths(config.train_files))
+        # Without val_files, validation reads the train rows: read once.
+        val = stream(_paths(config.val_files)) if config.val_files is not None else train
         return (
             lambda step, n, seed, **options: [{**options, **x} for x in train.batch(step, n)],
             lambda n, **options: [{**options, **x} for x in val.first(n)],

@@ -21,6 +21,7 @@ disagree only on text no harness can use as a call.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -69,6 +70,11 @@ def _call(name: object, arguments: object) -> dict[str, Any] | None:
     }
 
 
+@functools.cache
+def _block_pattern(start: str, end: str) -> re.Pattern[str]:
+    return re.compile(re.escape(start) + "(.*?)" + re.escape(end), re.DOTALL)
+
+
 @dataclass(frozen=True)
 class HermesParser:
     """Like vLLM's ``hermes``: each block's JSON must be an object with a string ``name``;
@@ -84,7 +90,7 @@ class HermesParser:
         if at < 0:
             return None
         tail = text[at:]
-        blocks = re.findall(re.escape(self.start) + "(.*?)" + re.escape(self.end), tail, re.DOTALL)
+        blocks = _block_pattern(self.start, self.end).findall(tail)
         if not blocks or len(blocks) != tail.count(self.start):
             return None
         calls = []
