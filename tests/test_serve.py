@@ -30,9 +30,10 @@ from agl.backends.inference.models import LoadedModel, load_model
 from agl.backends.inference.server.app import create_app
 from agl.backends.inference.server.responses import POLICY_VERSION_HEADER
 from agl.backends.inference.server.text import ChoiceOutput
-from agl.backends.inference.server.tokens import Detokenizer, TokenCodec
+from agl.backends.inference.server.tokens import TokenCodec
 from agl.backends.inference.server.tools import parse_tool_calls, tool_parser
 from agl.core.client import GatewayClient, proxy_base_url
+from agl.core.contracts.text_rule import TextRule
 from agl.core.gateway.errors import ErrorResponse
 from agl.testing.processes import free_port, gateway_process, serve_process
 
@@ -81,6 +82,11 @@ class Served:
 
     def decode(self, ids: list[int]) -> str:
         return self.loaded.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def text(self, ids: list[int]) -> str:
+        """The text of sampled ids under vLLM's default rule: special tokens skipped, and
+        an unfinished character at the end never released."""
+        return self.loaded.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +209,7 @@ def test_response_ids_decode_to_the_text(served: Served) -> None:
     choice = answer.choices[0]
     ids = choice.model_extra["token_ids"]
     text_ids = ids[:-1] if choice.finish_reason == "stop" else ids  # the eos is not text
-    assert served.decode(text_ids) == choice.message.content
+    assert served.text(text_ids) == choice.message.content
     assert answer.usage.completion_tokens == len(ids)
 
 
@@ -334,20 +340,26 @@ def test_stream_concatenates_to_the_unary_answer(served: Served) -> None:
 
 def test_incremental_detokenizer_never_splits_characters() -> None:
     """Random ids (byte tokens that make broken UTF-8 included): the pieces released one
-    token at a time add up to the decode of the whole."""
+    token at a time add up to the decode of the whole, less an unfinished character at
+    the end, which vLLM's detokenizer never releases either."""
     loaded = load_model("tiny")
     tokens = TokenCodec(loaded.tokenizer)
     rng = random.Random(0)
     vocab = len(loaded.tokenizer)
+    kept = TextRule(skip_special_tokens=False)
     for _ in range(200):
         ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
-        detokenizer = Detokenizer(tokens)
-        pieces = [detokenizer.add(t) for t in ids]
-        assert "".join(pieces) + detokenizer.flush() == tokens.decode(ids)
+        detokenizer = tokens.detokenizer([1], kept)
+        released = "".join(detokenizer.add(t) for t in ids) + detokenizer.flush()
+        whole = tokens.decode(ids)
+        assert whole.startswith(released) and set(whole[len(released) :]) <= {"\ufffd"}
     text = "héllo wörld ✓ 日本"
-    detokenizer = Detokenizer(tokens)
+    detokenizer = tokens.detokenizer([1], kept)
     ids = tokens.encode_prompt(text)
     assert "".join(detokenizer.add(t) for t in ids) + detokenizer.flush() == text
+
+
+KEEP_SPECIALS = TextRule(skip_special_tokens=False)
 
 
 def streamed_pieces(
@@ -355,7 +367,7 @@ def streamed_pieces(
 ) -> tuple[list[str], ChoiceOutput]:
     """Feed ``text`` and an eos to an output one token at a time, as a stream would."""
     ids = [*tokens.encode_prompt(text), tokens.tokenizer.eos_token_id]
-    out = ChoiceOutput(0, tokens, stops, tool_parser(parser), incremental=True)
+    out = ChoiceOutput(0, tokens, [1], stops, KEEP_SPECIALS, tool_parser(parser))
     pieces = []
     for i, token in enumerate(ids):
         out.add([token], [0.0], "stop" if i == len(ids) - 1 else None)
@@ -512,16 +524,22 @@ def test_update_weights_mid_traffic_then_tool_calls(served: Served) -> None:
     ).choices[0]
     assert broken.finish_reason == "stop" and not broken.message.tool_calls
     assert broken.message.content == BROKEN_CALL
-    # tool_choice none: the same answer stays text.
-    plain = client.chat.completions.create(
-        model="tiny",
-        messages=WEATHER,
-        tools=TOOLS,
-        tool_choice="none",
-        temperature=0,
-        max_tokens=40,
-    ).choices[0]
-    assert plain.message.content == WEATHER_CALL and not plain.message.tool_calls
+    # tool_choice none: the same answer stays text, its special tokens skipped as vLLM
+    # skips them by default; asked to keep them, it is the call's text as sampled.
+    for rule, content in (
+        ({}, WEATHER_CALL.removeprefix("<tool_call>").removesuffix("</tool_call>")),
+        ({"skip_special_tokens": False}, WEATHER_CALL),
+    ):
+        plain = client.chat.completions.create(
+            model="tiny",
+            messages=WEATHER,
+            tools=TOOLS,
+            tool_choice="none",
+            temperature=0,
+            max_tokens=40,
+            extra_body=rule,
+        ).choices[0]
+        assert plain.message.content == content and not plain.message.tool_calls
 
     # Streamed: the call arrives whole in the closing chunk; ids as in the unary answer.
     chunks = list(
@@ -712,7 +730,12 @@ def test_calls_through_the_gateway_proxy_are_recorded(served: Served, tmp_path: 
         assert event["prompt_ids"] == served.prompt_ids(MESSAGES)
         ids = event["response_ids"]
         text_ids = ids[:-1] if event["finish_reason"] == "stop" else ids
-        assert served.decode(text_ids) == event["response"]
+        assert served.text(text_ids) == event["response"]
+        assert event["text_rule"] == {
+            "skip_special_tokens": True,
+            "spaces_between_special_tokens": True,
+            "include_stop_str_in_output": False,
+        }
         assert len(event["logprobs"]) == len(ids) > 0
         assert event["policy_version"] == 4
         want = teacher_forced(served.loaded.model, event["prompt_ids"], ids, 1.0)

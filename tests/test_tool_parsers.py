@@ -15,6 +15,7 @@ from agl.backends.inference.server.text import ChoiceOutput
 from agl.backends.inference.server.tokens import TokenCodec
 from agl.backends.inference.server.tools import TOOL_PARSERS, tool_parser
 from agl.backends.inference.vllm import find_vllm_python
+from agl.core.contracts.text_rule import TextRule
 from tests.hf_folders import write_llama, write_qwen3
 
 CALL = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
@@ -100,7 +101,7 @@ def test_a_stream_never_shows_what_may_still_be_a_tool_call(name: str) -> None:
         else f"It is 3. <|python_tag|>{CALL}"
     )
     ids = [*tokens.encode_prompt(text), tokens.tokenizer.eos_token_id]
-    out = ChoiceOutput(0, tokens, (), tool_parser(name), incremental=True)
+    out = ChoiceOutput(0, tokens, [1], (), TextRule(skip_special_tokens=False), tool_parser(name))
     shown = []
     for i, token in enumerate(ids):
         out.add([token], [0.0], "stop" if i == len(ids) - 1 else None)

@@ -266,6 +266,59 @@ def test_an_unchanged_policy_has_ratio_one_on_vllm(
     assert metrics["clip_fraction"] == 0.0
 
 
+@pytest.mark.parametrize(
+    "rule",
+    [
+        {},
+        {"skip_special_tokens": False},
+        {"include_stop_str_in_output": True},
+        {"skip_special_tokens": False, "spaces_between_special_tokens": False},
+    ],
+    ids=["default", "specials kept", "stop string kept", "specials kept without spaces"],
+)
+def test_the_embedded_engine_makes_vllms_text_of_vllms_ids(
+    served: Served, rule: dict[str, Any]
+) -> None:
+    """What vLLM sampled, fed to the embedded engine's output under the recorded rule and
+    the same stop strings, is the text vLLM returned; the trainer's check passes it."""
+    from agl.backends.inference.server.text import ChoiceOutput
+    from agl.backends.inference.server.tokens import TokenCodec
+    from agl.core.contracts.text_rule import text_rule_of
+    from agl.core.run.build import text_decode
+    from agl.core.trainer.calls import text_mismatch
+
+    stops = [" and", ","]
+    r = rollout_on(served)
+    client = agent(served, r)
+    for seed in range(6):
+        client.chat.completions.create(
+            model=NAME,
+            messages=MESSAGES,
+            seed=seed,
+            stop=stops,
+            stream=seed % 2 == 1,
+            extra_body=rule,
+            **SAMPLING,
+        )
+    tokens = TokenCodec(served.loaded.tokenizer)
+    decode = text_decode(served.loaded.tokenizer)
+    calls = recorded(served, r)
+    assert sum("stop_reason" in c for c in calls) >= 2  # stop strings did end some
+    for call in calls:
+        recorded_rule = text_rule_of(call)
+        assert recorded_rule is not None
+        assert {k: getattr(recorded_rule, k) for k in rule} == rule
+        out = ChoiceOutput(0, tokens, call["prompt_ids"], tuple(stops), recorded_rule, None)
+        ids = call["response_ids"]
+        eos = call["finish_reason"] == "stop" and "stop_reason" not in call
+        for k, token in enumerate(ids):
+            last = k == len(ids) - 1
+            out.add([token], [0.0], ("stop" if eos else "length") if last else None)
+        assert out.text == call["response"]
+        assert out.stop_reason == call.get("stop_reason")
+        assert not text_mismatch(call, decode)
+
+
 def test_a_rollout_sticks_to_one_replica(served: Served) -> None:
     for replica in (0, 1):
         r = rollout_on(served, replica)

@@ -104,6 +104,8 @@ def show_record(r: Rollout, out: IO[str]) -> None:
 CAUSES = {
     BreakReason.INDEPENDENT: "the strategy never merges",
     BreakReason.HISTORY_REWRITTEN: "earlier history changed (template, summary, a subagent)",
+    BreakReason.OUTPUT_TRANSFORMED: "the engine's text left out part of the response "
+    "(a special token skipped, a stop string cut)",
 }
 
 

@@ -26,6 +26,7 @@ class LinearSample:
     logprobs: list[float] = field(default_factory=list)
     call_index: list[int] = field(default_factory=list)
     last_response_start: int = 0
+    last_transformed: bool = False  # the last call's text left out part of its ids
     break_reason: BreakReason | None = None
     diverged_at: int | None = None
     stitched_calls: int = 0
@@ -37,6 +38,7 @@ class LinearSample:
         self.logprobs += [0.0] * len(context)
         self.call_index += [-1] * len(context)
         self.last_response_start = len(self.tokens)
+        self.last_transformed = call.output_transformed
         self.tokens += call.response_ids
         self.action_mask += [1] * len(call.response_ids)
         self.logprobs += call.logprobs
@@ -51,6 +53,8 @@ class LinearSample:
         """Why ``prompt`` does not continue the sample, and where it left it."""
         k = common_prefix_len(self.tokens, prompt)
         if k >= self.last_response_start:
+            if self.last_transformed:
+                return BreakReason.OUTPUT_TRANSFORMED, k
             return BreakReason.RESPONSE_RETOKENIZED, k
         return BreakReason.HISTORY_REWRITTEN, k
 

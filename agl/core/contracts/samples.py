@@ -51,7 +51,9 @@ NO_TRANSFORM = Sampling()
 class ModelCall:
     """One recorded call: the exact prompt tokens, the sampled tokens and their logprobs,
     the sampling transform those logprobs are of, and which choice of its request it was
-    (a request with ``n > 1`` is recorded as one call per choice)."""
+    (a request with ``n > 1`` is recorded as one call per choice). ``output_transformed``:
+    the text the harness got leaves out part of what the ids say (a special token the
+    engine skipped, a stop string it cut), so its next prompt cannot hold these ids."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -59,6 +61,7 @@ class ModelCall:
     policy_version: int = 0
     sampling: Sampling = NO_TRANSFORM
     choice: int = 0
+    output_transformed: bool = False
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):
@@ -75,6 +78,9 @@ class BreakReason(StrEnum):
     # The prompt left the sample inside the previous response: it came back retokenized,
     # or transformed (tool-call JSON reserialized, its <think> dropped by the template).
     RESPONSE_RETOKENIZED = "response_retokenized"
+    # ... inside a response whose text the engine had already cut short of its ids: a
+    # special token skipped, a stop string left out (agl.core.contracts.text_rule).
+    OUTPUT_TRANSFORMED = "output_transformed"
     # ... or before it: earlier history changed (template, summary, a subagent's prompt).
     HISTORY_REWRITTEN = "history_rewritten"
 

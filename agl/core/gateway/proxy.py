@@ -2,7 +2,8 @@
 
 The forwarded request asks the endpoint for vLLM's ``logprobs`` and ``return_token_ids``;
 the answer keeps those for the ``model_request`` event and goes back to the harness as a
-plain OpenAI answer. The sampling fields are resolved (``agl.core.contracts.sampling``), forwarded
+plain OpenAI answer. The sampling fields (``agl.core.contracts.sampling``) and the rule for
+what text the ids become (``agl.core.contracts.text_rule``) are resolved, forwarded
 explicitly and recorded with each call, one ``model_request`` per choice with its index.
 Text completions (``/v1/completions``) go the same way, recorded in
 the same layout with the prompt instead of messages: vLLM puts their ids on each choice
@@ -49,6 +50,12 @@ from agl.core.contracts.sampling import (
     forwarded_sampling,
     requested_sampling,
     sampling_record,
+)
+from agl.core.contracts.text_rule import (
+    TextRule,
+    TextRuleError,
+    requested_text_rule,
+    text_rule_record,
 )
 from agl.core.gateway.admission import AdmissionGate, Ticket
 from agl.core.gateway.dialects import ANTHROPIC, Dialect, DialectError, StreamTranslator
@@ -99,6 +106,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: str | None = None
+    stop_reason: object = None  # vLLM's: the stop string (or stop token id) that ended it
     prompt_ids: list[int] | None = None  # a text completion's, on its choice's first chunk
 
     def add(self, choice: dict[str, Any]) -> None:
@@ -126,6 +134,8 @@ class _Choice:
             slot["function"]["arguments"] += function.get("arguments") or ""
         if choice.get("finish_reason"):
             self.finish_reason = choice["finish_reason"]
+        if choice.get("stop_reason") is not None:
+            self.stop_reason = choice["stop_reason"]
 
     def message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text)}
@@ -289,6 +299,7 @@ class CallContext:
     started: float
     api: _Api
     sampling: Sampling
+    text_rule: TextRule
 
     def recorded_input(self) -> dict[str, Any]:
         """What the model was given, for monitoring: a chat's messages, or a text
@@ -382,7 +393,8 @@ class RecordingProxy:
     ) -> Response:
         try:
             sampling = requested_sampling(request)
-        except SamplingError as error:
+            text_rule = requested_text_rule(request)
+        except (SamplingError, TextRuleError) as error:
             return api.error(ApiError(400, str(error)))
         # The API is part of the request: the same bytes sent to another API's route (a
         # chat body is often a valid Messages body) are another call, not a retry.
@@ -408,6 +420,7 @@ class RecordingProxy:
                 "model": endpoint.model,
                 **api.forwarded(),
                 **forwarded_sampling(sampling),
+                **text_rule_record(text_rule),
             }
             call = CallContext(
                 rollout_id,
@@ -419,6 +432,7 @@ class RecordingProxy:
                 time.monotonic(),
                 api,
                 sampling,
+                text_rule,
             )
             url = endpoint.endpoint.rstrip("/") + api.path
             if request.get("stream"):
@@ -449,6 +463,7 @@ class RecordingProxy:
                     c.get("token_ids"),
                     _logprobs(c),
                     c.get("finish_reason"),
+                    c.get("stop_reason"),
                     _answer_message(c),
                 )
                 for choice, c in enumerate(answer["choices"])
@@ -525,6 +540,7 @@ class RecordingProxy:
                         c.token_ids,
                         c.logprobs,
                         c.finish_reason,
+                        c.stop_reason,
                         c.message(),
                     )
                     for choice, (_, c) in enumerate(sorted(choices.items()))
@@ -557,6 +573,7 @@ class RecordingProxy:
         response_ids: list[int] | None,
         logprobs: list[float],
         finish_reason: str | None,
+        stop_reason: object,
         message: dict[str, Any],
     ) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -568,6 +585,8 @@ class RecordingProxy:
             "sampling": sampling_record(call.sampling),
             "choice": choice,  # of the request's n: dedup tells choices from retries
             "finish_reason": finish_reason,
+            # What text the harness got of the ids: the trainer checks them under it.
+            "text_rule": text_rule_record(call.text_rule),
             **call.recorded_input(),
             "response": message.get("content"),
             "latency_s": time.monotonic() - call.started,
@@ -575,6 +594,8 @@ class RecordingProxy:
             "endpoint": call.endpoint.endpoint,
             "mode": call.mode,
         }
+        if isinstance(stop_reason, str):  # a stop string ended the text
+            data["stop_reason"] = stop_reason
         if call.api.name != "chat":  # chat completions, the default, goes unnamed
             data["api"] = call.api.name
         if message.get("tool_calls"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -44,14 +45,19 @@ class ChatCompletions:
         params = fit_to_context(
             chat.params, chat.max_tokens, prompt_ids, "the messages", self.engine.max_context
         )
-        incremental = chat.stream or bool(chat.stop)
         parser = self.tool_parser if chat.parse_tools else None
+        rule = chat.text_rule
+        if parser is not None and parser.keeps_special_tokens:  # as vLLM's adjust_request
+            rule = replace(rule, skip_special_tokens=False)
         try:
-            generation = self.engine.submit(prompt_ids, params, stream=incremental)
+            # Stop strings are found as the text grows: the engine streams them.
+            generation = self.engine.submit(
+                prompt_ids, params, stream=chat.stream or bool(chat.stop)
+            )
         except EngineError as error:  # closed: the server is shutting down
             return error_response(503, str(error))
         outputs = [
-            ChoiceOutput(i, self.tokens, chat.stop, parser, incremental=incremental)
+            ChoiceOutput(i, self.tokens, prompt_ids, chat.stop, rule, parser)
             for i in range(params.n)
         ]
         try:
@@ -173,6 +179,7 @@ class ChatCompletions:
                     {"content": text, "tool_calls": calls} if text else {"tool_calls": calls}
                 )
             closing["finish_reason"] = out.final_reason(tool_calls)
+            closing["stop_reason"] = out.stop_reason
             if chat.want_token_ids:
                 closing["token_ids"] = []
             chunks.append(closing)

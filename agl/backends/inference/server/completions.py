@@ -46,13 +46,14 @@ class TextCompletions:
         params = fit_to_context(
             text.params, max_tokens, prompt_ids, "the prompt", self.engine.max_context
         )
-        incremental = text.stream or bool(text.stop)
         try:
-            generation = self.engine.submit(prompt_ids, params, stream=incremental)
+            generation = self.engine.submit(
+                prompt_ids, params, stream=text.stream or bool(text.stop)
+            )
         except EngineError as error:
             return error_response(503, str(error))
         outputs = [
-            ChoiceOutput(i, self.tokens, text.stop, tool_parser=None, incremental=incremental)
+            ChoiceOutput(i, self.tokens, prompt_ids, text.stop, text.text_rule, tool_parser=None)
             for i in range(params.n)
         ]
         try:

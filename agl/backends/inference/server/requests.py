@@ -10,6 +10,7 @@ import orjson
 from starlette.requests import Request
 
 from agl.backends.inference.engine import SamplingParams
+from agl.core.contracts.text_rule import TextRule, TextRuleError, parse_text_rule
 from agl.core.gateway.errors import ApiError
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -30,6 +31,7 @@ class ChatRequest:
     params: SamplingParams
     max_tokens: int | None  # as asked (None: what the context leaves)
     stop: tuple[str, ...]
+    text_rule: TextRule
     stream: bool
     include_usage: bool
     want_logprobs: bool
@@ -71,6 +73,7 @@ def parse_chat_request(body: object, model_name: str, max_batch_size: int) -> Ch
         params=_sampling(body, max_batch_size),
         max_tokens=max_tokens,
         stop=_stops(body.get("stop")),
+        text_rule=_text_rule(body),
         stream=bool(optional_field(body, "stream", bool)),
         include_usage=_include_usage(body),
         want_logprobs=bool(optional_field(body, "logprobs", bool)),
@@ -100,6 +103,13 @@ def _sampling(body: dict[str, Any], max_batch_size: int) -> SamplingParams:
     )
 
 
+def _text_rule(body: dict[str, Any]) -> TextRule:
+    try:
+        return parse_text_rule(body)
+    except TextRuleError as error:
+        raise ApiError(400, str(error)) from None
+
+
 def _include_usage(body: dict[str, Any]) -> bool:
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
@@ -118,6 +128,7 @@ class CompletionRequest:
     params: SamplingParams
     max_tokens: int | None  # as asked (None: COMPLETION_MAX_TOKENS, or what fits)
     stop: tuple[str, ...]
+    text_rule: TextRule
     stream: bool
     include_usage: bool
     logprobs: int | None  # completions-style: how many top logprobs (None: none)
@@ -145,6 +156,7 @@ def parse_completion_request(
         params=_sampling(body, max_batch_size),
         max_tokens=optional_field(body, "max_tokens", int, minimum=1),
         stop=_stops(body.get("stop")),
+        text_rule=_text_rule(body),
         stream=bool(optional_field(body, "stream", bool)),
         include_usage=_include_usage(body),
         logprobs=optional_field(body, "logprobs", int, minimum=0),

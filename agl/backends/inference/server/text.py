@@ -1,6 +1,8 @@
-"""One choice's text output as the engine's tokens arrive: the text cut at stop strings,
-how much of it a stream may show yet, and its tool calls once it is over; ``collect`` feeds
-a whole unary generation into such outputs."""
+"""One choice's text output as the engine's tokens arrive: the text under the request's
+text rule, cut at stop strings as vLLM cuts it, how much of it a stream may show yet, and
+its tool calls once it is over; ``collect`` feeds a whole unary generation into such
+outputs. A choice's text is made token by token however it is asked for (streamed or
+not, with stop strings or without), so it is the same text either way, and vLLM's."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 from agl.backends.inference.engine import Generation
 from agl.backends.inference.server.tokens import Detokenizer, TokenCodec
 from agl.backends.inference.server.tools import ToolParser, partial_suffix
+from agl.core.contracts.text_rule import TextRule
 
 
 @dataclass
@@ -19,20 +22,20 @@ class ChoiceOutput:
 
     index: int
     tokens: TokenCodec
+    prompt_ids: list[int]
     stops: tuple[str, ...]
+    rule: TextRule
     tool_parser: ToolParser | None  # None: tool calls are not parsed
-    incremental: bool
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: str = ""
     shown: int = 0  # characters of text already streamed
     finish_reason: str | None = None
     stop_reason: str | None = None  # the stop string that ended it, as vLLM reports
-    detokenizer: Detokenizer | None = None
+    detokenizer: Detokenizer = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.incremental:
-            self.detokenizer = Detokenizer(self.tokens)
+        self.detokenizer = self.tokens.detokenizer(self.prompt_ids, self.rule)
 
     def add(self, token_ids: list[int], logprobs: list[float], finish: str | None) -> bool:
         """Take the engine's next tokens; answers True when a stop string ended the choice
@@ -42,15 +45,13 @@ class ChoiceOutput:
         if finish == "abort":
             self.finish_reason = finish
             return False
-        # An engine "stop" means the last token is eos: sampled, but not text.
-        eos = len(token_ids) - 1 if finish == "stop" else -1
-        if not self.incremental:
-            self.token_ids += token_ids
-            self.logprobs += logprobs
-            self.text = self.tokens.decode(token_ids[:eos] if eos >= 0 else token_ids)
-            self.finish_reason = finish
-            return False
-        assert self.detokenizer is not None
+        # An engine "stop" means the last token is eos: sampled, and text only when stop
+        # strings are kept (vLLM's include_stop_str_in_output), if then not skipped.
+        eos = (
+            len(token_ids) - 1
+            if finish == "stop" and not self.rule.include_stop_str_in_output
+            else -1
+        )
         for i, (token, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
             self.token_ids.append(token)
             self.logprobs.append(logprob)
@@ -63,19 +64,21 @@ class ChoiceOutput:
         return False
 
     def _extend(self, new: str) -> bool:
+        """Add text; a stop string in it ends the choice (vLLM's ``check_stop_strings``:
+        the one that completes first, the text cut before it, or after it when kept)."""
         if not new:
             return False
         checked = len(self.text)
         self.text += new
         hits = [
-            (at, s)
+            (at + len(s), at, s)
             for s in self.stops
             if (at := self.text.find(s, max(0, checked - len(s) + 1))) >= 0
         ]
         if not hits:
             return False
-        at, self.stop_reason = min(hits)
-        self.text = self.text[:at]
+        end, at, self.stop_reason = min(hits, key=lambda hit: hit[0])
+        self.text = self.text[: end if self.rule.include_stop_str_in_output else at]
         self.finish_reason = "stop"
         return True
 
@@ -85,7 +88,8 @@ class ChoiceOutput:
         text = self.text
         if self.finish_reason:
             return len(text)
-        end = len(text) - max((partial_suffix(text, s) for s in self.stops), default=0)
+        held = () if self.rule.include_stop_str_in_output else self.stops
+        end = len(text) - max((partial_suffix(text, s) for s in held), default=0)
         if self.tool_parser is not None:
             end = min(end, self.tool_parser.held_from(text))
         return max(end, self.shown)

@@ -36,6 +36,11 @@ class ToolParser(Protocol):
     def name(self) -> str:
         """vLLM's name for the format."""
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether a request with tools keeps special tokens in its text, whatever it
+        asks (vLLM's parser of this name forces it: its markers may be special tokens)."""
+
     def parse(self, text: str) -> Parsed | None:
         """``(content, tool_calls)`` when ``text`` holds tool calls, else None."""
 
@@ -82,6 +87,7 @@ class HermesParser:
     content. The newline the template puts before the first block is not content."""
 
     name: str = "hermes"
+    keeps_special_tokens: bool = True
     start: str = "<tool_call>"
     end: str = "</tool_call>"
 
@@ -121,6 +127,7 @@ class Llama3JsonParser:
     ``parameters``. One that does not, or does not decode, makes the whole text content."""
 
     name: str = "llama3_json"
+    keeps_special_tokens: bool = False
     bot_token: str = "<|python_tag|>"
 
     def parse(self, text: str) -> Parsed | None:
