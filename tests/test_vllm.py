@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
@@ -319,10 +320,30 @@ def test_the_embedded_engine_makes_vllms_text_of_vllms_ids(
         assert not text_mismatch(call, decode)
 
 
+def settled_requests(served: Served) -> list[int]:
+    """Each replica's finished requests, read once none is running or waiting: vLLM
+    counts a request's end in its metrics after its answer went out, together with the
+    running gauge that drops it, so an earlier test's last call may not be counted yet."""
+    deadline = time.monotonic() + 120
+    while True:
+        texts = [
+            httpx.get(f"{url.removesuffix('/v1')}/metrics").text for url in served.servers.endpoints
+        ]
+        busy = sum(
+            prometheus_sum(t, "vllm:num_requests_running")
+            + prometheus_sum(t, "vllm:num_requests_waiting")
+            for t in texts
+        )
+        if not busy:
+            return [int(prometheus_sum(t, "vllm:request_success_total")) for t in texts]
+        assert time.monotonic() < deadline, "vLLM still reports requests running after 120 s"
+        time.sleep(0.2)
+
+
 def test_a_rollout_sticks_to_one_replica(served: Served) -> None:
     for replica in (0, 1):
         r = rollout_on(served, replica)
-        before = [s.requests for s in served.servers.stats_by_replica()]
+        before = settled_requests(served)
         client = agent(served, r)
         messages: list[dict[str, Any]] = list(MESSAGES)
         for _ in range(2):
@@ -333,7 +354,7 @@ def test_a_rollout_sticks_to_one_replica(served: Served) -> None:
                 {"role": "assistant", "content": answer.choices[0].message.content},
                 {"role": "user", "content": "And one more?"},
             ]
-        after = [s.requests for s in served.servers.stats_by_replica()]
+        after = settled_requests(served)
         assert [a - b for a, b in zip(after, before, strict=True)] == [
             2 if i == replica else 0 for i in range(2)
         ]
