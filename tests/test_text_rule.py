@@ -28,7 +28,7 @@ from agl.backends.inference.models import load_model
 from agl.backends.inference.server.text import ChoiceOutput
 from agl.backends.inference.server.tokens import TokenCodec
 from agl.backends.inference.vllm import find_vllm_python
-from agl.core.client import GatewayClient, proxy_base_url
+from agl.core.client import GatewayClient
 from agl.core.contracts.records import Event
 from agl.core.contracts.samples import BreakReason
 from agl.core.contracts.text_rule import (
@@ -42,7 +42,8 @@ from agl.core.contracts.text_rule import (
 from agl.core.run.build import text_decode
 from agl.core.trainer.calls import output_transformed, read_calls, text_mismatch
 from agl.strategies.merge.prefix import prefix as prefix_merge
-from agl.testing.processes import gateway_process, serve_process
+from agl.testing.processes import GatewayProcess, gateway_process, serve_process
+from tests.conftest import agent
 from tests.hf_folders import write_llama, write_qwen3
 
 RULES = [TextRule(*flags) for flags in itertools.product((True, False), repeat=3)]
@@ -88,21 +89,21 @@ def test_the_record_reads_back() -> None:
     assert text_rule_of({"text_rule": {"skip_special_tokens": "x"}}) is None
 
 
+def harness(gateway: GatewayProcess, admin: GatewayClient, model: str, url: str) -> openai.OpenAI:
+    """The client of rollout ``r``'s running attempt, its calls going to ``url``."""
+    admin.register_models([{"model": model, "endpoint": url}])
+    admin.create_rollouts([{"rollout_id": "r", "group_id": "g", "input": {}}])
+    return agent(gateway, admin.patch_rollout("r", "running"))
+
+
 def test_the_gateway_refuses_a_bad_rule_in_its_error_shape(tmp_path: Path) -> None:
     with (
         gateway_process(tmp_path / "gateway") as gateway,
         GatewayClient(gateway.url, gateway.token) as admin,
     ):
-        admin.register_models([{"model": "m", "endpoint": "http://127.0.0.1:9/v1"}])
-        admin.create_rollouts([{"rollout_id": "r", "group_id": "g", "input": {}}])
-        rollout = admin.patch_rollout("r", "running")
-        agent = openai.OpenAI(
-            base_url=proxy_base_url(gateway.url, "r", rollout.attempt, rollout.mode),
-            api_key=rollout.attempt_key,
-            max_retries=0,
-        )
+        client = harness(gateway, admin, "m", "http://127.0.0.1:9/v1")
         with pytest.raises(openai.BadRequestError) as refused:
-            agent.chat.completions.create(
+            client.chat.completions.create(
                 model="m",
                 messages=[{"role": "user", "content": "hi"}],
                 extra_body={"skip_special_tokens": 0},
@@ -270,14 +271,7 @@ def test_through_the_gateway_the_embedded_engine_records_its_rule(tmp_path: Path
         gateway_process(tmp_path / "gateway") as gateway,
         GatewayClient(gateway.url, gateway.token) as admin,
     ):
-        admin.register_models([{"model": served.model, "endpoint": served.url}])
-        admin.create_rollouts([{"rollout_id": "r", "group_id": "g", "input": {}}])
-        rollout = admin.patch_rollout("r", "running")
-        agent = openai.OpenAI(
-            base_url=proxy_base_url(gateway.url, "r", rollout.attempt, rollout.mode),
-            api_key=rollout.attempt_key,
-            max_retries=0,
-        )
+        client = harness(gateway, admin, served.model, served.url)
         texts = []
         for seed in range(12):
             asked = dict(
@@ -289,10 +283,10 @@ def test_through_the_gateway_the_embedded_engine_records_its_rule(tmp_path: Path
                 extra_body=rules[seed % 3],
             )
             if seed % 2:
-                chunks = agent.chat.completions.create(stream=True, **asked)
+                chunks = client.chat.completions.create(stream=True, **asked)
                 texts.append("".join(c.choices[0].delta.content or "" for c in chunks))
             else:
-                texts.append(agent.chat.completions.create(**asked).choices[0].message.content)
+                texts.append(client.chat.completions.create(**asked).choices[0].message.content)
         events = admin.get_events("r", type="model_request")
     data = [e.data for e in events]
     assert [d["response"] for d in data] == texts

@@ -321,22 +321,28 @@ def test_the_embedded_engine_makes_vllms_text_of_vllms_ids(
 
 
 def settled_requests(served: Served) -> list[int]:
-    """Each replica's finished requests, read once none is running or waiting: vLLM
-    counts a request's end in its metrics after its answer went out, together with the
-    running gauge that drops it, so an earlier test's last call may not be counted yet."""
+    """Each replica's finished requests, once vLLM reports none running or waiting and
+    the counts have stayed the same for a second: vLLM counts a request's end in its
+    metrics after its answer went out, so an earlier test's last call may not be counted
+    yet when the next test starts."""
     deadline = time.monotonic() + 120
+    seen: list[int] | None = None
+    since = time.monotonic()
     while True:
         texts = [
             httpx.get(f"{url.removesuffix('/v1')}/metrics").text for url in served.servers.endpoints
         ]
+        counts = [int(prometheus_sum(t, "vllm:request_success_total")) for t in texts]
         busy = sum(
             prometheus_sum(t, "vllm:num_requests_running")
             + prometheus_sum(t, "vllm:num_requests_waiting")
             for t in texts
         )
-        if not busy:
-            return [int(prometheus_sum(t, "vllm:request_success_total")) for t in texts]
-        assert time.monotonic() < deadline, "vLLM still reports requests running after 120 s"
+        if busy or counts != seen:
+            seen, since = counts, time.monotonic()
+        elif time.monotonic() - since >= 1.0:
+            return counts
+        assert time.monotonic() < deadline, "vLLM's request counts did not settle in 120 s"
         time.sleep(0.2)
 
 
@@ -355,10 +361,11 @@ def test_a_rollout_sticks_to_one_replica(served: Served) -> None:
                 {"role": "user", "content": "And one more?"},
             ]
         after = settled_requests(served)
+        calls = recorded(served, r)
         assert [a - b for a, b in zip(after, before, strict=True)] == [
             2 if i == replica else 0 for i in range(2)
-        ]
-        assert len(recorded(served, r)) == 2
+        ], (before, after, [c["endpoint"] for c in calls])
+        assert len(calls) == 2
 
 
 def test_publish_reaches_every_replica(served: Served) -> None:
