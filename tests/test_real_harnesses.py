@@ -81,12 +81,16 @@ class Served:
     model: str
     tokenizer: Any
 
-    def decode(self, ids: list[int]) -> str:
-        # vLLM's convention: the eos that ended the answer is sampled (and recorded) but
-        # is not text; other special tokens (<tool_call>, ...) are.
+    def decode(self, record: dict[str, Any]) -> str:
+        """A record's text under the rule it records, as vLLM makes it: the eos that ended
+        the answer is sampled (and recorded) but is not text, other special tokens
+        (<tool_call>, ...) are unless skipped, and an unfinished last character is never
+        released."""
+        ids = record["response_ids"]
         if ids and ids[-1] == self.tokenizer.eos_token_id:
             ids = ids[:-1]
-        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+        skip = record["text_rule"]["skip_special_tokens"]
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip)).rstrip("\ufffd")
 
 
 @pytest.fixture(scope="module")
@@ -429,7 +433,7 @@ def assert_recorded(
         assert "invalid" not in record, record["invalid"]
         assert record.get("api", "chat") == api
     assert any(TASK in json.dumps(r["messages"]) for r in records)
-    decoded = [served.decode(r["response_ids"]) for r in records]
+    decoded = [served.decode(r) for r in records]
     # Calls may overlap (OpenCode titles the session while it works): match, not zip.
     unmatched = list(zip(records, decoded, strict=True))
     for exchange in answered:
