@@ -145,3 +145,12 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return folder
+
+
+def vllm_text(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """The text vLLM returns for sampled ``ids`` that no stop string cut: the eos that
+    ended the answer is no text, other special tokens are skipped (vLLM's default) or
+    kept, and an unfinished last character is never released."""
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    return str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)).rstrip("\ufffd")

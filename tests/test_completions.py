@@ -29,7 +29,7 @@ from agl.strategies.registry import get
 from agl.testing.fake_vllm import EOS, FakeVllm, completion_for, encode, logprob, prompt_ids
 from agl.testing.processes import GatewayProcess, gateway_process, serve_process
 from agl.ui.views import timeline
-from tests.conftest import agent, anthropic_agent, model_requests
+from tests.conftest import agent, anthropic_agent, model_requests, vllm_text
 
 PROMPT = "The capital of France is"
 
@@ -207,9 +207,7 @@ class Tiny:
     tokenizer: Any
 
     def text(self, ids: list[int]) -> str:
-        """What the answer's ids say under vLLM's default rule: special tokens (the
-        closing eos among them) skipped, an unfinished last character never released."""
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True)).rstrip("\ufffd")
+        return vllm_text(self.tokenizer, ids)
 
 
 @pytest.fixture(scope="module")

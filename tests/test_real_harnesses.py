@@ -46,6 +46,7 @@ from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.contracts.records import Rollout
 from agl.testing.processes import GatewayProcess, gateway_process, serve_process
+from tests.conftest import vllm_text
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESSES = ROOT / "tests" / "harnesses"
@@ -82,15 +83,9 @@ class Served:
     tokenizer: Any
 
     def decode(self, record: dict[str, Any]) -> str:
-        """A record's text under the rule it records, as vLLM makes it: the eos that ended
-        the answer is sampled (and recorded) but is not text, other special tokens
-        (<tool_call>, ...) are unless skipped, and an unfinished last character is never
-        released."""
-        ids = record["response_ids"]
-        if ids and ids[-1] == self.tokenizer.eos_token_id:
-            ids = ids[:-1]
+        """A record's text under the rule it records, as vLLM makes it."""
         skip = record["text_rule"]["skip_special_tokens"]
-        return str(self.tokenizer.decode(ids, skip_special_tokens=skip)).rstrip("\ufffd")
+        return vllm_text(self.tokenizer, record["response_ids"], skip)
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.contracts.text_rule import TextRule
 from agl.core.gateway.errors import ErrorResponse
 from agl.testing.processes import free_port, gateway_process, serve_process
+from tests.conftest import vllm_text
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
 TOOLS = [
@@ -82,11 +83,6 @@ class Served:
 
     def decode(self, ids: list[int]) -> str:
         return self.loaded.tokenizer.decode(ids, skip_special_tokens=False)
-
-    def text(self, ids: list[int]) -> str:
-        """The text of sampled ids under vLLM's default rule: special tokens skipped, and
-        an unfinished character at the end never released."""
-        return self.loaded.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +205,7 @@ def test_response_ids_decode_to_the_text(served: Served) -> None:
     choice = answer.choices[0]
     ids = choice.model_extra["token_ids"]
     text_ids = ids[:-1] if choice.finish_reason == "stop" else ids  # the eos is not text
-    assert served.text(text_ids) == choice.message.content
+    assert vllm_text(served.loaded.tokenizer, text_ids) == choice.message.content
     assert answer.usage.completion_tokens == len(ids)
 
 
@@ -730,7 +726,7 @@ def test_calls_through_the_gateway_proxy_are_recorded(served: Served, tmp_path: 
         assert event["prompt_ids"] == served.prompt_ids(MESSAGES)
         ids = event["response_ids"]
         text_ids = ids[:-1] if event["finish_reason"] == "stop" else ids
-        assert served.text(text_ids) == event["response"]
+        assert vllm_text(served.loaded.tokenizer, text_ids) == event["response"]
         assert event["text_rule"] == {
             "skip_special_tokens": True,
             "spaces_between_special_tokens": True,

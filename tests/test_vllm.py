@@ -21,6 +21,7 @@ import logging
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -291,19 +292,19 @@ def test_the_embedded_engine_makes_vllms_text_of_vllms_ids(
     stops = [" and", ","]
     r = rollout_on(served)
     client = agent(served, r)
+    texts = []
     for seed in range(6):
-        client.chat.completions.create(
-            model=NAME,
-            messages=MESSAGES,
-            seed=seed,
-            stop=stops,
-            stream=seed % 2 == 1,
-            extra_body=rule,
-            **SAMPLING,
-        )
+        asked = dict(model=NAME, messages=MESSAGES, seed=seed, stop=stops, extra_body=rule)
+        if seed % 2:  # read to its end: the call is recorded as the stream finishes
+            chunks = client.chat.completions.create(stream=True, **asked, **SAMPLING)
+            texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+        else:
+            answer = client.chat.completions.create(**asked, **SAMPLING)
+            texts.append(answer.choices[0].message.content)
     tokens = TokenCodec(served.loaded.tokenizer)
     decode = text_decode(served.loaded.tokenizer)
     calls = recorded(served, r)
+    assert [c["response"] for c in calls] == texts
     assert sum("stop_reason" in c for c in calls) >= 2  # stop strings did end some
     for call in calls:
         recorded_rule = text_rule_of(call)
@@ -320,36 +321,46 @@ def test_the_embedded_engine_makes_vllms_text_of_vllms_ids(
         assert not text_mismatch(call, decode)
 
 
-def settled_requests(served: Served) -> list[int]:
-    """Each replica's finished requests, once vLLM reports none running or waiting and
-    the counts have stayed the same for a second: vLLM counts a request's end in its
-    metrics after its answer went out, so an earlier test's last call may not be counted
-    yet when the next test starts."""
+def recorded_calls(served: Served) -> Counter[tuple[str, str]]:
+    """Every call the gateway recorded, counted by (rollout, endpoint)."""
+    return Counter(
+        (rollout.rollout_id, e.data["endpoint"])
+        for rollout in served.admin.list_rollouts()
+        for e in served.admin.get_events(rollout.rollout_id, type="model_request")
+    )
+
+
+def settled_requests(served: Served, recorded_to: Counter[tuple[str, str]]) -> list[int]:
+    """Each replica's finished requests, once vLLM has counted all it answered: it counts
+    a request's end after the answer went out, so the counters are read until they equal
+    the calls the gateway recorded going to each replica (one per choice: vLLM runs an
+    ``n > 1`` request as n requests, each counted)."""
+    by_endpoint = Counter[str]()
+    for (_, endpoint), n in recorded_to.items():
+        by_endpoint[endpoint] += n
+    expected = [by_endpoint[url] for url in served.servers.endpoints]
     deadline = time.monotonic() + 120
-    seen: list[int] | None = None
-    since = time.monotonic()
     while True:
-        texts = [
-            httpx.get(f"{url.removesuffix('/v1')}/metrics").text for url in served.servers.endpoints
+        counts = [
+            int(prometheus_sum(httpx.get(f"{url.removesuffix('/v1')}/metrics").text, SUCCESS))
+            for url in served.servers.endpoints
         ]
-        counts = [int(prometheus_sum(t, "vllm:request_success_total")) for t in texts]
-        busy = sum(
-            prometheus_sum(t, "vllm:num_requests_running")
-            + prometheus_sum(t, "vllm:num_requests_waiting")
-            for t in texts
-        )
-        if busy or counts != seen:
-            seen, since = counts, time.monotonic()
-        elif time.monotonic() - since >= 1.0:
+        if counts == expected:
             return counts
-        assert time.monotonic() < deadline, "vLLM's request counts did not settle in 120 s"
+        assert time.monotonic() < deadline, (
+            f"vLLM counted {counts}, the gateway recorded {expected}"
+        )
         time.sleep(0.2)
+
+
+SUCCESS = "vllm:request_success_total"
 
 
 def test_a_rollout_sticks_to_one_replica(served: Served) -> None:
     for replica in (0, 1):
         r = rollout_on(served, replica)
-        before = settled_requests(served)
+        calls_before = recorded_calls(served)
+        before = settled_requests(served, calls_before)
         client = agent(served, r)
         messages: list[dict[str, Any]] = list(MESSAGES)
         for _ in range(2):
@@ -360,11 +371,13 @@ def test_a_rollout_sticks_to_one_replica(served: Served) -> None:
                 {"role": "assistant", "content": answer.choices[0].message.content},
                 {"role": "user", "content": "And one more?"},
             ]
-        after = settled_requests(served)
+        calls_after = recorded_calls(served)
+        after = settled_requests(served, calls_after)
         calls = recorded(served, r)
+        # On failure: which rollouts' recorded calls came during the test, and where.
         assert [a - b for a, b in zip(after, before, strict=True)] == [
             2 if i == replica else 0 for i in range(2)
-        ], (before, after, [c["endpoint"] for c in calls])
+        ], (before, after, calls_after - calls_before)
         assert len(calls) == 2
 
 

@@ -23,7 +23,7 @@ vLLM's hermes parser forces the same.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 FIELDS = ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
@@ -65,7 +65,7 @@ def requested_text_rule(request: Mapping[str, Any]) -> TextRule:
     """The rule the proxy forwards and records for ``request`` (see the module)."""
     rule = parse_text_rule(request)
     if uses_tools(request) and rule.skip_special_tokens:
-        rule = TextRule(False, rule.spaces_between_special_tokens, rule.include_stop_str_in_output)
+        rule = replace(rule, skip_special_tokens=False)
     return rule
 
 

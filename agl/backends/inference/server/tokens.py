@@ -5,7 +5,7 @@ text rule (``agl.core.contracts.text_rule``), exactly as vLLM's detokenizer does
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from tokenizers.decoders import DecodeStream
 
@@ -62,17 +62,15 @@ class TokenCodec:
         return found
 
 
-class Detokenizer:
+class Detokenizer(Protocol):
     """Releases text as tokens arrive; ``flush`` gives what is still held at the end."""
 
-    def add(self, token_id: int) -> str:
-        raise NotImplementedError
+    def add(self, token_id: int) -> str: ...
 
-    def flush(self) -> str:
-        return ""
+    def flush(self) -> str: ...
 
 
-class StreamDetokenizer(Detokenizer):
+class StreamDetokenizer:
     """vLLM's ``FastIncrementalDetokenizer``: tokenizers' ``DecodeStream`` primed with the
     prompt (a response's first token decodes as it follows the prompt, which matters
     for decoders that treat the start of a text apart), and, when special tokens are kept
@@ -103,8 +101,11 @@ class StreamDetokenizer(Detokenizer):
             self._last_special = special is not None
         return text or ""
 
+    def flush(self) -> str:
+        return ""  # as vLLM: an unfinished character at the end is never released
 
-class WindowDetokenizer(Detokenizer):
+
+class WindowDetokenizer:
     """For a tokenizer without a Rust backend (vLLM's slow path): text is released once
     the window ``ids[prefix:]`` decodes without a trailing replacement character."""
 
