@@ -138,7 +138,9 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
     merge = replace(merge, decode=text_decode(loaded.tokenizer))  # stitch compares texts
     with contextlib.ExitStack() as stack:
         try:
-            gateway = ChildGateway(run_dir / "gateway", cfg.gateway.host, cfg.gateway.port)
+            gateway = ChildGateway(
+                run_dir / "gateway", cfg.gateway.host, cfg.gateway.port, cfg.gateway.sampling_seed
+            )
         except OSError as error:
             raise UserError(str(error)) from None
         gateway.start()
@@ -205,7 +207,7 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
             options,
             wandb=cfg.logging.wandb,
             project=cfg.logging.wandb_project,
-            group=sweep,
+            group=cfg.logging.get("wandb_group") or sweep,
             name=run_dir.name,
             tags=[f"{g}={cfg[g].name}" for g in ("merge", "advantage", "loss", "model", "task")]
             + [f"mode={cfg.trainer.mode}"],

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from agl.core.contracts.samples import BreakReason, ModelCall, Sample
 from agl.core.trainer.calls import dedup
 from agl.core.trainer.metrics import merge_metrics
+from agl.core.trainer.metrics import unique_tokens as distinct_prefixes
 from agl.strategies.registry import get, names
 from agl.testing.retok import load_tokenizer
 from agl.testing.retok.traces import MECHANISMS, generate_traces
@@ -40,13 +41,7 @@ SETTINGS: list[tuple[str, frozenset[str]]] = [
 
 def unique_tokens(calls: Sequence[ModelCall]) -> int:
     """Distinct token prefixes over a rollout's calls: the least any strategy must compute."""
-    seen: set[int] = set()
-    for call in calls:
-        h = 0
-        for token in (*call.prompt_ids, *call.response_ids):
-            h = hash((h, token))
-            seen.add(h)
-    return len(seen)
+    return distinct_prefixes([[*c.prompt_ids, *c.response_ids] for c in calls])
 
 
 def run_setting(

@@ -116,28 +116,25 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
-@pytest.fixture(scope="session")
-def short_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real 2-step ``agl.train`` run of the default experiment (merge=prefix), made once
-    for every test that reads a run folder: its tiny model's BPE-dropout makes some
-    prompts come back retokenized, which breaks samples. Read it, do not change it."""
-    folder = tmp_path_factory.mktemp("short_run") / "run"
+# The session's short run: 2 steps of the default experiment (merge=prefix), small.
+SHORT_RUN = (
+    "merge=prefix",
+    "trainer.steps=2",
+    "trainer.groups_per_step=4",
+    "trainer.group_size=8",
+    "trainer.val_every=1",
+    "trainer.val_size=4",
+    "task.warmup_options.steps=30",
+    "logging.wandb=false",
+    "logging.progress=false",
+)
+
+
+def train_run(folder: Path, *overrides: str) -> Path:
+    """``python -m agl.train`` into ``folder`` with ``overrides``; fails the test with
+    the run's stderr if it fails."""
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agl.train",
-            "merge=prefix",
-            "trainer.steps=2",
-            "trainer.groups_per_step=4",
-            "trainer.group_size=8",
-            "trainer.val_every=1",
-            "trainer.val_size=4",
-            "task.warmup_options.steps=30",
-            "logging.wandb=false",
-            "logging.progress=false",
-            f"hydra.run.dir={folder}",
-        ],
+        [sys.executable, "-m", "agl.train", *overrides, f"hydra.run.dir={folder}"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -145,6 +142,14 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return folder
+
+
+@pytest.fixture(scope="session")
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real 2-step ``agl.train`` run of the default experiment (merge=prefix), made once
+    for every test that reads a run folder: its tiny model's BPE-dropout makes some
+    prompts come back retokenized, which breaks samples. Read it, do not change it."""
+    return train_run(tmp_path_factory.mktemp("short_run") / "run", *SHORT_RUN)
 
 
 def vllm_text(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -393,10 +393,15 @@ def _weights_arg(text: str) -> list[float] | None:
     return [float(w) for w in text.split(",")]
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    options = _task_options(TASK_CONFIG)
+def main(
+    argv: Sequence[str] | None = None,
+    task_config: Path = TASK_CONFIG,
+    prog: str = "python -m experiments.guess.baselines",
+) -> None:
+    """Print the table for the options of ``task_config`` (a task yaml playing this game)."""
+    options = _task_options(task_config)
     parser = argparse.ArgumentParser(
-        prog="python -m experiments.guess.baselines",
+        prog=prog,
         description="Exact reward and feedback_in_range of simple players of the game.",
     )
     parser.add_argument("--low", type=int, default=options.get("low", 1))

@@ -46,7 +46,7 @@ from experiments.guess.harness import Message, feedback, opening
 # replies are "maybe N" with N within ~15% of 1/8, and ~13% of the sampled replies are
 # noncanonical. With 100 steps the rare segmentations are under-learned (~9% drift).
 STEPS = 150
-BATCH_SIZE = 16  # two balanced decks of 1..8 per turn (see _Deck)
+BATCH_SIZE = 16  # two balanced decks of 1..8 per turn (see Deck)
 LR = 5e-3
 # The probability of skipping each merge in a reply. 0.1 leaves ~11% of the training
 # replies noncanonical, and the warmed model samples about as many (README).
@@ -86,7 +86,7 @@ def random_game(target: int, guesses: Sequence[int], low: int, high: int) -> lis
     return messages
 
 
-class _Deck:
+class Deck:
     """Uniform draws from ``[low, high]``, each value once per shuffled round.
 
     Every draw is uniform and independent of the game it lands in, so the transcripts
@@ -189,8 +189,8 @@ def encode_game(
 def _batch(
     tokenizer: Any,
     dropout: DropoutBPE,
-    targets: _Deck,
-    turns: list[_Deck],
+    targets: Deck,
+    turns: list[Deck],
     size: int,
     low: int,
     high: int,
@@ -217,7 +217,7 @@ def _batch(
     return ids, attention, labels
 
 
-def _assistant_loss(
+def assistant_loss(
     model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, labels: torch.Tensor
 ) -> torch.Tensor:
     """Mean cross-entropy of the assistant tokens. The LM head runs only where a token is
@@ -254,7 +254,7 @@ def ordinary_tokens(tokenizer: Any) -> list[int]:
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _train(
+def train_steps(
     model: torch.nn.Module, batches: Sequence[Callable[[], Batch]], steps: int, lr: float
 ) -> list[float]:
     """``steps`` AdamW updates on the sum of the losses of one batch of each of
@@ -271,7 +271,7 @@ def _train(
     try:
         for _ in range(steps):
             parts = [
-                _assistant_loss(model, *(tensor.to(device) for tensor in batch()))
+                assistant_loss(model, *(tensor.to(device) for tensor in batch()))
                 for batch in batches
             ]
             optimizer.zero_grad(set_to_none=True)
@@ -333,19 +333,19 @@ def warm_up(
         def copying() -> Batch:
             return induction_batch(copy_rng, tokens, INDUCTION_BATCH, INDUCTION_LENGTH)
 
-        copy_losses = _train(model, [copying], induction_steps, induction_lr)
+        copy_losses = train_steps(model, [copying], induction_steps, induction_lr)
         metrics["induction_loss"] = sum(copy_losses[-10:]) / len(copy_losses[-10:])
         # Rehearsed through the game phase, which would otherwise overwrite it at once.
         rehearsal.append(copying)
     rng = random.Random(f"guess-warmup:{seed}")
-    targets = _Deck(rng, low, high)
-    turns = [_Deck(rng, low, high) for _ in range(max_turns)]
+    targets = Deck(rng, low, high)
+    turns = [Deck(rng, low, high) for _ in range(max_turns)]
     segment = DropoutBPE(tokenizer, dropout, random.Random(f"guess-warmup-dropout:{seed}"))
 
     def games() -> Batch:
         return _batch(tokenizer, segment, targets, turns, batch_size, low, high)
 
-    losses = _train(model, [games, *rehearsal], steps, lr)
+    losses = train_steps(model, [games, *rehearsal], steps, lr)
     tail = losses[-10:]
     return {
         **metrics,

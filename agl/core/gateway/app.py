@@ -30,6 +30,7 @@ from agl.core.gateway.openapi import OpenApiExtras
 from agl.core.gateway.proxy import RecordingProxy
 from agl.core.gateway.ratelimit import AttemptRateLimit
 from agl.core.gateway.routes import api_router
+from agl.core.gateway.seeding import RequestSeeds
 from agl.core.gateway.service import ADMISSION_META, Gateway
 from agl.core.gateway.store import open_store
 from agl.core.gateway.upstream import RetryPolicy, Upstream
@@ -55,7 +56,8 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
             config.upstream_timeout_s,
         )
         await upstream.start()
-        proxy = RecordingProxy(store, upstream, AdmissionGate())
+        seeds = RequestSeeds(config.sampling_seed) if config.sampling_seed >= 0 else None
+        proxy = RecordingProxy(store, upstream, AdmissionGate(), seeds)
         proxy.router.load(await store.list_models())
         # A gateway restarted while the trainer updates weights keeps calls out until the
         # trainer resumes admission, as the one that died did.

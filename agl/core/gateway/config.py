@@ -69,12 +69,18 @@ class GatewayConfig:
     # FastAPI's /docs and /redoc: off by default, because they load Swagger UI's and
     # ReDoc's scripts from a CDN onto the gateway's origin. /openapi.json is always served.
     api_docs: bool = False
+    # Each request without a ``seed`` of its own gets one derived from this seed, its
+    # rollout, attempt and bytes (agl/core/gateway/seeding.py): the same seed gives the
+    # same rollouts. -1: off (the engine's own, shared generator samples them).
+    sampling_seed: int = -1
 
     def __post_init__(self) -> None:
         check_port(self.port)
         for name in ("ui_session_hours", "header_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.sampling_seed < -1:
+            raise ValueError(f"sampling_seed={self.sampling_seed}: a seed >= 0, or -1 for off")
         if self.refusal_delay_s < 0:
             raise ValueError(f"refusal_delay_s={self.refusal_delay_s} must be 0 (off) or more")
         if self.max_body_mb <= 0:

@@ -60,6 +60,7 @@ from agl.core.contracts.text_rule import (
 from agl.core.gateway.admission import AdmissionGate, Ticket
 from agl.core.gateway.dialects import ANTHROPIC, Dialect, DialectError, StreamTranslator
 from agl.core.gateway.errors import ApiError, json_error, upstream_error
+from agl.core.gateway.seeding import RequestSeeds
 from agl.core.gateway.store.base import PendingAnswer, Store
 from agl.core.gateway.upstream import Upstream, UpstreamUnavailable
 from agl.core.trainer.calls import invalid_reason
@@ -300,6 +301,7 @@ class CallContext:
     api: _Api
     sampling: Sampling
     text_rule: TextRule
+    seed: object  # as forwarded: the harness's own, the gateway's, or None
 
     def recorded_input(self) -> dict[str, Any]:
         """What the model was given, for monitoring: a chat's messages, or a text
@@ -310,10 +312,18 @@ class CallContext:
 
 
 class RecordingProxy:
-    def __init__(self, store: Store, upstream: Upstream, gate: AdmissionGate) -> None:
+    def __init__(
+        self,
+        store: Store,
+        upstream: Upstream,
+        gate: AdmissionGate,
+        seeds: RequestSeeds | None = None,
+    ) -> None:
         self.store = store
         self.upstream = upstream
         self.gate = gate
+        # None: requests without a seed of their own go unseeded to the engine.
+        self.seeds = seeds
         self.router = Router()
         # Pending answers of another boot belong to a process that died (see the module).
         self.boot = uuid.uuid4().hex
@@ -422,6 +432,8 @@ class RecordingProxy:
                 **forwarded_sampling(sampling),
                 **text_rule_record(text_rule),
             }
+            if request.get("seed") is None and self.seeds is not None:
+                forwarded["seed"] = self.seeds.next(rollout_id, attempt, request_hash)
             call = CallContext(
                 rollout_id,
                 attempt,
@@ -433,6 +445,7 @@ class RecordingProxy:
                 api,
                 sampling,
                 text_rule,
+                forwarded.get("seed"),
             )
             url = endpoint.endpoint.rstrip("/") + api.path
             if request.get("stream"):
@@ -594,6 +607,8 @@ class RecordingProxy:
             "endpoint": call.endpoint.endpoint,
             "mode": call.mode,
         }
+        if call.seed is not None:
+            data["seed"] = call.seed
         if isinstance(stop_reason, str):  # a stop string ended the text
             data["stop_reason"] = stop_reason
         if call.api.name != "chat":  # chat completions, the default, goes unnamed

@@ -100,12 +100,15 @@ class ChildGateway:
     # Seconds between tries to bring a dead gateway back, then give up (the run fails).
     RESTART_WAITS = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
 
-    def __init__(self, run_dir: Path, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, run_dir: Path, host: str = "127.0.0.1", port: int = 0, sampling_seed: int = -1
+    ) -> None:
         if port and not port_free(host, port):
             raise OSError(f"gateway port {port} on {host} is in use")
         self.run_dir = run_dir
         self.host = host
         self.port = port or free_port(host)
+        self.sampling_seed = sampling_seed
         self.token = secrets.token_urlsafe(32)
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
@@ -139,7 +142,12 @@ class ChildGateway:
 
     def _launch(self, timeout_s: float) -> None:
         private_dir(self.run_dir)
-        args = [f"host={self.host}", f"port={self.port}", f"run_dir={self.run_dir}"]
+        args = [
+            f"host={self.host}",
+            f"port={self.port}",
+            f"run_dir={self.run_dir}",
+            f"sampling_seed={self.sampling_seed}",
+        ]
         with self._lock:
             if self._stopping:
                 return

@@ -29,7 +29,7 @@ from agl.core.contracts.records import Status
 from agl.core.contracts.samples import NO_TRANSFORM, ModelCall, Sample, Sampling
 from agl.core.contracts.strategies import Advantage, Decode, Merge
 from agl.core.trainer.calls import dedup
-from agl.core.trainer.metrics import merge_metrics
+from agl.core.trainer.metrics import merge_metrics, unique_tokens
 
 AgentFailures = Literal["zero", "drop"]
 AGENT_FAILURES = ("zero", "drop")
@@ -109,11 +109,12 @@ def assemble(
     kept = [r for r in rollouts if r.rollout_id in rewards]
     per_rollout: list[list[Sample]] = []
     staleness: list[int] = []
-    dropped = calls_total = 0
+    dropped = calls_total = unique = 0
     limit = math.inf if max_staleness is None else max_staleness
     for r in kept:
         calls = dedup(r.calls, dedup_rule)
         calls_total += len(calls)
+        unique += unique_tokens([[*c.prompt_ids, *c.response_ids] for c in calls])
         lags = [max(0, policy_version - c.policy_version) for c in calls]
         staleness.extend(lags)
         stale = {i for i, lag in enumerate(lags) if lag > limit}
@@ -140,7 +141,7 @@ def assemble(
         "staleness/mean": _mean([float(x) for x in staleness]),
         "staleness/max": float(max(staleness, default=0)),
         "staleness/dropped_calls": dropped / max(calls_total, 1),
-        **merge_metrics(per_rollout, calls_total),
+        **merge_metrics(per_rollout, calls_total, unique),
     }
     return Batch(samples, advantages, rewards, metrics)
 

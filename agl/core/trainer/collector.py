@@ -89,9 +89,16 @@ class Collector:
     def pending(self) -> int:
         return len(self._pending)
 
-    def take_complete(self, mode: str, limit: int | None = None) -> list[Group]:
-        """Complete groups of ``mode`` (oldest completion first), removed from tracking."""
+    def take_complete(
+        self, mode: str, limit: int | None = None, in_submission_order: bool = False
+    ) -> list[Group]:
+        """Complete groups of ``mode`` (oldest completion first), removed from tracking.
+        ``in_submission_order``: the same groups in the order they were submitted, which
+        unlike completion order does not depend on timing."""
         chosen = [g for g in self._completed if self.groups[g].mode == mode][:limit]
+        if in_submission_order:
+            taken_ids = set(chosen)
+            chosen = [g for g in self.groups if g in taken_ids]
         taken = [self.groups[g] for g in chosen]
         self.forget(chosen)
         return taken

@@ -177,7 +177,8 @@ class Trainer:
         await self.collector.wait(
             lambda: self.collector.outstanding("train") == self.collector.complete_count("train")
         )
-        return self.collector.take_complete("train")
+        # A batch in the same order in two runs with the same seed: the same update.
+        return self.collector.take_complete("train", in_submission_order=True)
 
     async def _async_groups(self) -> list[Group]:
         need = self.config.groups_per_step

@@ -1,0 +1,132 @@
+"""``python -m agl.study``, end to end: CI's miniature of the strategies study (two
+settings, two seeds, two steps of the agentic game: conf/study/mini.yaml) runs through
+real ``agl.train`` runs, writes its report with intervals, bands and statements computed
+from the seeds, and a second start skips what is done. The study files parse, and bad
+ones get a one-line error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agl.core.run.errors import UserError
+from agl.study.report import Setting, comparisons
+from agl.study.spec import STUDIES, load_study, parse_study
+
+
+def _study(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agl.study", *args],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={**os.environ, "WANDB_MODE": "offline"},
+    )
+
+
+@pytest.fixture(scope="module")
+def mini(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("study") / "mini"
+    done = _study("mini", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_the_miniature_runs_every_setting_at_every_seed(mini: Path) -> None:
+    for setting in ("rollout+rollout_mean", "sample+token_mean"):
+        for seed in (0, 1):
+            run = mini / setting / f"seed-{seed}"
+            record = json.loads((run / "study-run.json").read_text())
+            assert record["seed"] == seed and f"seed={seed}" in record["command"]
+            config = yaml.safe_load((run / "config.yaml").read_text())
+            assert config["seed"] == seed and config["logging"]["wandb_group"] == "mini"
+            steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").open()]
+            assert steps[-1] == 2
+    assert (
+        yaml.safe_load((mini / "sample+token_mean" / "seed-0" / "config.yaml").read_text())[
+            "advantage"
+        ]["name"]
+        == "sample"
+    )
+
+
+def test_the_report_has_intervals_bands_and_statements(mini: Path) -> None:
+    summary = (mini / "report" / "summary.md").read_text()
+    assert "## At the first step" in summary and "## At the last step" in summary
+    assert "| rollout+rollout_mean | 2 |" in summary
+    assert "[" in summary.split("## At the last step")[1]  # mean [low, high]
+    assert "best feedback-blind player" in summary
+    assert "Welch p =" in summary and "Holm" in summary
+    for png in ("val_reward.png", "merge_samples_per_rollout.png", "time_wall_s.png"):
+        assert (mini / "report" / png).stat().st_size > 1000
+    assert "val_reward.png" in (mini / "report" / "index.html").read_text()
+
+
+def test_a_second_start_skips_the_finished_runs(mini: Path) -> None:
+    done = _study("mini", "--out", str(mini))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("skipped") == 4 and "done in" not in done.stderr
+
+
+def test_comparisons_are_holm_adjusted_and_name_what_the_seeds_support(mini: Path) -> None:
+    study = load_study("mini")
+    from agl.study.report import load_settings
+
+    found = comparisons(load_settings(study, mini), "rollout+rollout_mean")
+    assert found and all(c.setting == "sample+token_mean" for c in found)
+    assert all(c.adjusted_p >= c.p for c in found)
+
+
+def test_comparing_settings_without_noise() -> None:
+    from agl.report import Run
+
+    def setting(name: str, values: list[float]) -> Setting:
+        runs = [
+            Run(Path(f"{name}{i}"), {}, [{"step": 1, "val/reward": v}])
+            for i, v in enumerate(values)
+        ]
+        return Setting(name, runs)
+
+    found = comparisons([setting("a", [0.5, 0.5]), setting("b", [0.625, 0.625])], "a")
+    (c,) = [c for c in found if c.metric.key == "val/reward"]
+    assert c.difference == pytest.approx(0.125) and c.supported
+
+
+def test_every_study_file_parses() -> None:
+    for path in STUDIES.glob("*.yaml"):
+        study = load_study(str(path))
+        assert study.runs() and (study.reference is None or study.reference in study.settings)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({}, "'settings' must map"),
+        ({"settings": {"a b": []}}, "no folder name"),
+        ({"settings": {"a": []}, "seeds": [1, 1]}, "distinct"),
+        ({"settings": {"a": []}, "reference": "b"}, "reference 'b'"),
+        ({"settings": {"a": "merge=tree"}}, "list of key=value"),
+        ({"settings": {"a": []}, "bogus": 1}, "unknown keys"),
+        ({"settings": {"a": []}, "baselines": [{"metric": "x"}]}, "needs metric, value and name"),
+    ],
+)
+def test_a_bad_study_gets_a_clear_error(data: dict, message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        parse_study(data, "bad")
+
+
+def test_the_command_line_refuses_an_unknown_study_or_setting(tmp_path: Path) -> None:
+    done = _study("nosuch", "--out", str(tmp_path))
+    assert (
+        done.returncode == 2
+        and "no study 'nosuch'" in done.stderr
+        and "Traceback" not in done.stderr
+    )
+    done = _study("mini", "--only", "nosuch", "--out", str(tmp_path))
+    assert done.returncode == 2 and "no setting nosuch" in done.stderr
