@@ -27,6 +27,7 @@ ENTRY_POINTS = frozenset(
         "agl.controller",
         "agl.rollouts.__main__",
         "agl.report",
+        "agl.study.__main__",
         "agl.agent.__main__",
     }
 )

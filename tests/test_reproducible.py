@@ -3,9 +3,10 @@ gateway derives it from the run's seed, the rollout, the attempt and the request
 agl/core/gateway/seeding.py), and a sync step trains on its groups in submission order.
 So a second run of the session's short run samples the same tokens in every call, scores
 the same rewards and logs the same metrics, though its requests raced each other in
-another order. Timings (time/*, throughput/*, inference/busy_s) vary, and logprobs may
+another order. Timings (time/*, train/train_s, throughput/*, inference/busy_s) vary, and logprobs may
 differ in their last bits where a batch held other rows (the engine's batching is
-numerically, not bitwise, invisible), so logprobs and metrics are compared to 1e-5."""
+numerically, not bitwise, invisible: 2e-5 measured), so logprobs and metrics are
+compared to 1e-4."""
 
 from __future__ import annotations
 
@@ -41,7 +42,11 @@ def _calls(run: Path) -> Calls:
 
 def _metrics(run: Path) -> list[dict[str, float]]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if not k.startswith(VARYING)} for row in rows]
+    # Durations (time/*, train/train_s) and rates vary from run to run.
+    return [
+        {k: v for k, v in row.items() if not k.startswith(VARYING) and not k.endswith("_s")}
+        for row in rows
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +63,7 @@ def test_the_same_seed_samples_the_same_tokens_in_every_call(twice: tuple[Path, 
         assert [c["response_ids"] for c in calls] == [c["response_ids"] for c in again], attempt
         assert [c["seed"] for c in calls] == [c["seed"] for c in again]
         for a, b in zip(calls, again, strict=True):
-            assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
+            assert a["logprobs"] == pytest.approx(b["logprobs"], rel=1e-4, abs=1e-4)
 
 
 def test_every_call_is_sampled_under_its_own_seed(twice: tuple[Path, Path]) -> None:
@@ -78,7 +83,7 @@ def test_the_same_seed_logs_the_same_metrics(twice: tuple[Path, Path]) -> None:
     assert [sorted(r) for r in first] == [sorted(r) for r in second]
     for a, b in zip(first, second, strict=True):
         for key, value in a.items():
-            assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
 
 
 def test_a_seed_is_a_function_of_the_run_the_rollout_the_attempt_and_the_request() -> None:

@@ -84,7 +84,7 @@ def test_comparisons_are_holm_adjusted_and_name_what_the_seeds_support(mini: Pat
 
 
 def test_comparing_settings_without_noise() -> None:
-    from agl.report import Run
+    from agl.core.run.history import Run
 
     def setting(name: str, values: list[float]) -> Setting:
         runs = [

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agl.report import Run, load_run
+from agl.core.run.history import Run, load_run
 from agl.study import stats
 from agl.study.runner import is_done, run_folder
 from agl.study.spec import Baseline, Study

@@ -12,7 +12,8 @@ def unique_tokens(sequences: Sequence[Sequence[int]]) -> int:
     """The distinct prefixes of ``sequences`` (the nodes of their trie): the tokens a
     forward pass must compute at least once to score every one of them."""
     ordered = sorted({tuple(s) for s in sequences})
-    total, previous = 0, ()
+    total = 0
+    previous: tuple[int, ...] = ()
     for sequence in ordered:
         shared = 0
         for a, b in zip(sequence, previous, strict=False):
