@@ -24,6 +24,7 @@ from agl.core.run.history import CHOICES, METRICS_FILE, Run, load_run
 
 log = logging.getLogger("agl.report")
 
+
 @dataclass(frozen=True)
 class Metric:
     key: str  # as in metrics.jsonl

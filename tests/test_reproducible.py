@@ -3,8 +3,8 @@ gateway derives it from the run's seed, the rollout, the attempt and the request
 agl/core/gateway/seeding.py), and a sync step trains on its groups in submission order.
 So a second run of the session's short run samples the same tokens in every call, scores
 the same rewards and logs the same metrics, though its requests raced each other in
-another order. Timings (time/*, train/train_s, throughput/*, inference/busy_s) vary, and logprobs may
-differ in their last bits where a batch held other rows (the engine's batching is
+another order. Timings (time/*, train/train_s, throughput/*, inference/busy_s) vary, and
+logprobs may differ in their last bits where a batch held other rows (the engine's batching is
 numerically, not bitwise, invisible: 2e-5 measured), so logprobs and metrics are
 compared to 1e-4."""
 

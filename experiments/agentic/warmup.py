@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,16 +44,7 @@ from experiments.agentic.harness import (
     play,
     report_text,
 )
-from experiments.guess.warmup import (
-    INDUCTION_BATCH,
-    INDUCTION_LENGTH,
-    INDUCTION_LR,
-    Deck,
-    DropoutBPE,
-    induction_batch,
-    ordinary_tokens,
-    train_steps,
-)
+from experiments.guess.warmup import INDUCTION_LR, Deck, DropoutBPE, copying_phase, train_steps
 
 STEPS = 300
 GAMES_PER_STEP = 8  # ~20 calls: each one a row
@@ -175,18 +166,9 @@ def warm_up(
         raise ValueError("warm_up needs steps, games_per_step, max_turns >= 1 and low <= high")
     mechanisms = Mechanisms.from_input(options)
     start = time.perf_counter()
-    metrics: dict[str, float] = {}
-    rehearsal: list[Callable[[], tuple[torch.Tensor, ...]]] = []
-    if induction_steps > 0:
-        copy_rng = random.Random(f"agentic-warmup-induction:{seed}")
-        tokens = ordinary_tokens(tokenizer)
-
-        def copying() -> tuple[torch.Tensor, ...]:
-            return induction_batch(copy_rng, tokens, INDUCTION_BATCH, INDUCTION_LENGTH)
-
-        copy_losses = train_steps(model, [copying], induction_steps, INDUCTION_LR)
-        metrics["induction_loss"] = sum(copy_losses[-10:]) / len(copy_losses[-10:])
-        rehearsal.append(copying)
+    metrics, rehearsal = copying_phase(
+        model, tokenizer, induction_steps, INDUCTION_LR, f"agentic-warmup-induction:{seed}"
+    )
     rng = random.Random(f"agentic-warmup:{seed}")
     targets = Deck(rng, low, high)
     player = ScriptedPlayer(rng, low, high, mechanisms)

@@ -286,6 +286,24 @@ def train_steps(
     return losses
 
 
+def copying_phase(
+    model: torch.nn.Module, tokenizer: Any, steps: int, lr: float, seed: str
+) -> tuple[dict[str, float], list[Callable[[], Batch]]]:
+    """``steps`` of the induction phase (none for 0); answers its ``induction_loss`` (last
+    10 steps) and the batches that rehearse it through the game phase, which would
+    otherwise overwrite it at once."""
+    if steps <= 0:
+        return {}, []
+    rng = random.Random(seed)
+    tokens = ordinary_tokens(tokenizer)
+
+    def copying() -> Batch:
+        return induction_batch(rng, tokens, INDUCTION_BATCH, INDUCTION_LENGTH)
+
+    losses = train_steps(model, [copying], steps, lr)
+    return {"induction_loss": sum(losses[-10:]) / len(losses[-10:])}, [copying]
+
+
 def warm_up(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -324,19 +342,9 @@ def warm_up(
     if steps < 1 or batch_size < 1 or not low <= high or max_turns < 1:
         raise ValueError("warm_up needs steps, batch_size, max_turns >= 1 and low <= high")
     start = time.perf_counter()
-    metrics: dict[str, float] = {}
-    rehearsal: list[Callable[[], Batch]] = []
-    if induction_steps > 0:
-        copy_rng = random.Random(f"guess-warmup-induction:{seed}")
-        tokens = ordinary_tokens(tokenizer)
-
-        def copying() -> Batch:
-            return induction_batch(copy_rng, tokens, INDUCTION_BATCH, INDUCTION_LENGTH)
-
-        copy_losses = train_steps(model, [copying], induction_steps, induction_lr)
-        metrics["induction_loss"] = sum(copy_losses[-10:]) / len(copy_losses[-10:])
-        # Rehearsed through the game phase, which would otherwise overwrite it at once.
-        rehearsal.append(copying)
+    metrics, rehearsal = copying_phase(
+        model, tokenizer, induction_steps, induction_lr, f"guess-warmup-induction:{seed}"
+    )
     rng = random.Random(f"guess-warmup:{seed}")
     targets = Deck(rng, low, high)
     turns = [Deck(rng, low, high) for _ in range(max_turns)]
