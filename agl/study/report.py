@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,6 +270,57 @@ def summary(study: Study, settings: Sequence[Setting]) -> str:
     return "\n".join(parts)
 
 
+_STYLE = (
+    "body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse}"
+    "th,td{border:1px solid #bbb;padding:.25em .6em;text-align:right}"
+    "th:first-child,td:first-child{text-align:left}img{max-width:100%}"
+)
+_INLINE = re.compile(r"`([^`]+)`|\*\*([^*]+)\*\*")
+
+
+def _inline(text: str) -> str:
+    def one(match: re.Match[str]) -> str:
+        code, bold = match.groups()
+        return f"<code>{code}</code>" if code is not None else f"<b>{bold}</b>"
+
+    return _INLINE.sub(one, html.escape(text, quote=False))
+
+
+def page(markdown: str) -> str:
+    """The summary's markdown (headings, tables, bullets, paragraphs; code and bold
+    inline) as HTML: the page shows what summary.md says, from the same text."""
+    out: list[str] = []
+    rows: list[list[str]] = []
+
+    def close_table() -> None:
+        if rows:
+            head, *body = rows
+            out.append("<table><tr>" + "".join(f"<th>{_inline(c)}</th>" for c in head) + "</tr>")
+            out.extend(
+                "<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>" for r in body
+            )
+            out.append("</table>")
+            rows.clear()
+
+    for line in markdown.splitlines():
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if not all(set(c) <= {"-"} for c in cells):
+                rows.append(cells)
+            continue
+        close_table()
+        if line.startswith("## "):
+            out.append(f"<h2>{_inline(line[3:])}</h2>")
+        elif line.startswith("# "):
+            out.append(f"<h1>{_inline(line[2:])}</h1>")
+        elif line.startswith("- "):
+            out.append(f"<p>&bull; {_inline(line[2:])}</p>")
+        elif line.strip():
+            out.append(f"<p>{_inline(line)}</p>")
+    close_table()
+    return "\n".join(out)
+
+
 def build(study: Study, out: Path, folder: Path) -> Path | None:
     """Write the report of ``study``'s finished runs under ``out`` to ``folder``; answers
     the path of ``summary.md``, or None when no run has finished."""
@@ -285,7 +337,7 @@ def build(study: Study, out: Path, folder: Path) -> Path | None:
     )
     (folder / "index.html").write_text(
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
-        f"<title>agl study {html.escape(study.name)}</title></head><body>"
-        f"<pre>{html.escape(text)}</pre>\n{body}</body></html>\n"
+        f"<title>agl study {html.escape(study.name)}</title><style>{_STYLE}</style></head>"
+        f"<body>\n{page(text)}\n{body}</body></html>\n"
     )
     return folder / "summary.md"
