@@ -46,6 +46,7 @@ def test_the_miniature_runs_every_setting_at_every_seed(mini: Path) -> None:
             assert record["seed"] == seed and f"seed={seed}" in record["command"]
             config = yaml.safe_load((run / "config.yaml").read_text())
             assert config["seed"] == seed and config["logging"]["wandb_group"] == "mini"
+            assert config["task"]["name"] == "agentic" and config["backend"]["kl_coef"] == 0.05
             steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").open()]
             assert steps[-1] == 2
     assert (

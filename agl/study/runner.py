@@ -44,10 +44,12 @@ def train_command(
 ) -> list[str]:
     """The ``python -m agl.train`` command line of one run: the study's overrides, the
     setting's, then ``extra`` (later ones win in Hydra), then what the study owns."""
+    config = ["--config-name", study.config_name] if study.config_name else []
     return [
         sys.executable,
         "-m",
         "agl.train",
+        *config,
         *study.overrides,
         *study.settings[setting],
         *extra,

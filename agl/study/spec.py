@@ -1,6 +1,6 @@
 """A study as configured in ``conf/study/<name>.yaml``: settings (each a list of
-``python -m agl.train`` overrides), the seeds each one runs with, the overrides all of
-them share, the setting the others are compared with, and the task's no-learning
+``python -m agl.train`` overrides), the seeds each one runs with, the config and the
+overrides all of them share, the setting the others are compared with, and the task's no-learning
 baseline."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import yaml
 from agl.core.run.errors import UserError
 
 STUDIES = Path(__file__).resolve().parents[2] / "conf" / "study"
+_KEYS = frozenset({"settings", "seeds", "overrides", "config_name", "reference", "baselines"})
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 
 
@@ -34,6 +35,7 @@ class Study:
     settings: dict[str, list[str]]
     seeds: list[int]
     overrides: list[str] = field(default_factory=list)
+    config_name: str | None = None  # python -m agl.train --config-name (default: train)
     reference: str | None = None
     baselines: list[Baseline] = field(default_factory=list)
 
@@ -67,7 +69,14 @@ def _strings(value: Any, what: str) -> list[str]:
 def parse_study(data: Any, name: str) -> Study:
     if not isinstance(data, dict):
         raise UserError(f"study {name}: not a mapping")
-    unknown = set(data) - {"settings", "seeds", "overrides", "reference", "baselines"}
+    unknown = set(data) - {
+        "settings",
+        "seeds",
+        "overrides",
+        "config_name",
+        "reference",
+        "baselines",
+    }
     if unknown:
         raise UserError(f"study {name}: unknown keys {sorted(unknown)}")
     settings = data.get("settings")
@@ -87,6 +96,7 @@ def parse_study(data: Any, name: str) -> Study:
         settings={str(k): _strings(v, f"settings.{k}") for k, v in settings.items()},
         seeds=seeds,
         overrides=_strings(data.get("overrides"), "overrides"),
+        config_name=None if data.get("config_name") is None else str(data["config_name"]),
         reference=data.get("reference"),
         baselines=baselines,
     )
