@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from agl.backends.inference.models import load_model
 from agl.core.contracts.samples import ModelCall
@@ -44,6 +46,12 @@ SETTINGS: tuple[tuple[str, Mechanisms], ...] = (
 )
 
 
+@functools.cache
+def _tokenizer() -> Any:
+    # Built once: load_model builds the whole tiny model around it.
+    return load_model("tiny").tokenizer
+
+
 @dataclass(frozen=True)
 class Structure:
     samples_per_rollout: float
@@ -57,7 +65,7 @@ def rollouts(
     mechanisms: Mechanisms, n: int, seed: int, dropout: float = 0.0, max_turns: int = 2
 ) -> list[list[ModelCall]]:
     """``n`` games of the random player (targets from the house's weights), as calls."""
-    tokenizer = load_model("tiny").tokenizer
+    tokenizer = _tokenizer()
     rng = random.Random(f"agentic-structure:{seed}")
     weights = house_weights(1, 8, [1, 1, 2, 4, 4, 2, 1, 1])
     segment = DropoutBPE(tokenizer, dropout, random.Random(f"agentic-structure-bpe:{seed}"))
@@ -80,7 +88,7 @@ def rollouts(
 
 
 def structure(calls: Sequence[list[ModelCall]], merge: str) -> Structure:
-    decode = load_model("tiny").tokenizer.decode
+    decode = _tokenizer().decode
     strategy = get("merge", merge)
     options = {"decode": decode} if merge == "stitch" else {}
     kept = [dedup(c) for c in calls]
