@@ -12,6 +12,8 @@ import random
 
 import pytest
 
+from agl.study.spec import load_study
+from experiments.agentic.baselines import TASK_CONFIG
 from experiments.agentic.harness import (
     Game,
     GameInputError,
@@ -23,6 +25,7 @@ from experiments.agentic.harness import (
 )
 from experiments.agentic.structure import NONE, SUMMARY_CHARS, rollouts, structure
 from experiments.agentic.warmup import ScriptedPlayer, transcripts
+from experiments.guess.baselines import Setting, best_blind, optimal_reward, task_options
 
 DEFAULT = Mechanisms(retry_rate=0.1, format_retries=0)
 
@@ -174,3 +177,21 @@ def test_each_mechanism_alone_splits_what_nothing_splits(mechanism: str) -> None
         1 + (2 if mechanism == "subagent" else 1) * (1 - alone.single_sample_rollouts), abs=0.02
     )
     assert alone.single_sample_rollouts < 0.3
+
+
+def test_the_studys_baselines_are_the_games_exact_blind_optimum() -> None:
+    """The blind baselines conf/study/strategies.yaml compares against are what
+    experiments.guess.baselines computes for the task's options (house and uniform)."""
+    options = task_options(TASK_CONFIG)
+    study = load_study("strategies")
+    blind = {
+        "val/reward": options["target_weights"],
+        "val/uniform/reward": None,
+    }
+    assert {b.metric for b in study.baselines} == set(blind)
+    for baseline in study.baselines:
+        setting = Setting.of(1, 8, int(options["max_turns"]), blind[baseline.metric])
+        exact, _ = best_blind(setting)
+        assert baseline.value == pytest.approx(float(exact), abs=5e-5), baseline
+        # Reading the feedback is worth something: the optimum is above the baseline.
+        assert optimal_reward(setting) > exact

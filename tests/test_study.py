@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from agl.core.run.errors import UserError
-from agl.study.report import Setting, comparisons
+from agl.core.run.history import Run
+from agl.study.report import Setting, comparisons, coverage_lines
 from agl.study.spec import STUDIES, load_study, parse_study
 
 
@@ -84,19 +85,27 @@ def test_comparisons_are_holm_adjusted_and_name_what_the_seeds_support(mini: Pat
     assert all(c.adjusted_p >= c.p for c in found)
 
 
+def _setting(name: str, values: list[float]) -> Setting:
+    runs = [
+        Run(Path(f"{name}{i}"), {}, [{"step": 1, "val/reward": v}]) for i, v in enumerate(values)
+    ]
+    return Setting(name, runs)
+
+
 def test_comparing_settings_without_noise() -> None:
-    from agl.core.run.history import Run
-
-    def setting(name: str, values: list[float]) -> Setting:
-        runs = [
-            Run(Path(f"{name}{i}"), {}, [{"step": 1, "val/reward": v}])
-            for i, v in enumerate(values)
-        ]
-        return Setting(name, runs)
-
+    setting = _setting
     found = comparisons([setting("a", [0.5, 0.5]), setting("b", [0.625, 0.625])], "a")
     (c,) = [c for c in found if c.metric.key == "val/reward"]
     assert c.difference == pytest.approx(0.125) and c.supported
+
+
+def test_a_study_under_way_says_which_runs_it_lacks() -> None:
+    study = parse_study({"seeds": [0, 1, 2], "settings": {"a": [], "b": [], "c": []}}, "s")
+    (line,) = coverage_lines(study, [_setting("a", [0.5, 0.5, 0.5]), _setting("b", [0.5])])
+    assert "Not finished" in line and "`b` 1/3" in line and "`c` 0/3" in line
+    assert "`a`" not in line
+    everything = [_setting(name, [0.5] * 3) for name in "abc"]
+    assert coverage_lines(study, everything) == ["Every setting finished its 3 seeds."]
 
 
 def test_every_study_file_parses() -> None:

@@ -237,6 +237,17 @@ def image_name(metric: StudyMetric) -> str:
 # ----------------------------------------------------------------------- the report
 
 
+def coverage_lines(study: Study, settings: Sequence[Setting]) -> list[str]:
+    """Which runs the report holds, so a study still under way says what it lacks."""
+    done = {s.name: len(s.runs) for s in settings}
+    wanted = len(study.seeds)
+    missing = [name for name in study.settings if done.get(name, 0) < wanted]
+    if not missing:
+        return [f"Every setting finished its {wanted} seeds."]
+    shown = ", ".join(f"`{name}` {done.get(name, 0)}/{wanted}" for name in missing)
+    return [f"**Not finished**: {shown} seeds; the figures below cover the finished runs only."]
+
+
 def summary(study: Study, settings: Sequence[Setting]) -> str:
     reference = study.reference or settings[0].name
     parts = [
@@ -244,6 +255,8 @@ def summary(study: Study, settings: Sequence[Setting]) -> str:
         "",
         "Mean over seeds and its 95% Student-t interval `[low, high]`; computed by "
         "`python -m agl.study` from the runs' `metrics.jsonl`.",
+        "",
+        *coverage_lines(study, settings),
         "",
         "## At the first step",
         "",
@@ -264,7 +277,7 @@ def summary(study: Study, settings: Sequence[Setting]) -> str:
         "Last-step values; Welch's t-test, Holm-adjusted over the settings of each metric;"
         " supported: adjusted p <= 0.05.",
         "",
-        *(lines or ["- Nothing to compare: fewer than 2 seeds per setting."]),
+        *(lines or ["- Nothing to compare: no other setting has 2 finished seeds or more."]),
         "",
     ]
     return "\n".join(parts)

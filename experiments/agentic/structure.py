@@ -26,8 +26,10 @@ from agl.core.contracts.samples import ModelCall
 from agl.core.trainer.calls import dedup
 from agl.core.trainer.metrics import merge_metrics, unique_tokens
 from agl.strategies.registry import get, names
+from experiments.agentic.baselines import TASK_CONFIG
 from experiments.agentic.harness import Game, Mechanisms
 from experiments.agentic.warmup import ScriptedPlayer, encode_reply, prompt_ids, transcripts
+from experiments.guess.baselines import task_options
 from experiments.guess.data import house_weights
 from experiments.guess.warmup import DropoutBPE
 
@@ -64,10 +66,11 @@ class Structure:
 def rollouts(
     mechanisms: Mechanisms, n: int, seed: int, dropout: float = 0.0, max_turns: int = 2
 ) -> list[list[ModelCall]]:
-    """``n`` games of the random player (targets from the house's weights), as calls."""
+    """``n`` games of the random player (targets from the task's house weights), as calls."""
     tokenizer = _tokenizer()
     rng = random.Random(f"agentic-structure:{seed}")
-    weights = house_weights(1, 8, [1, 1, 2, 4, 4, 2, 1, 1])
+    option = task_options(TASK_CONFIG).get("target_weights")
+    weights = house_weights(1, 8, option if isinstance(option, list) else None)
     segment = DropoutBPE(tokenizer, dropout, random.Random(f"agentic-structure-bpe:{seed}"))
     player = ScriptedPlayer(rng, 1, 8, mechanisms)
     out = []

@@ -380,7 +380,8 @@ def table(rows: Sequence[Row]) -> str:
     )
 
 
-def _task_options(path: Path) -> dict[str, object]:
+def task_options(path: Path) -> dict[str, object]:
+    """The ``options`` of a task yaml ({} when it has none)."""
     if not path.exists():
         return {}
     options = yaml.safe_load(path.read_text()).get("options", {})
@@ -399,7 +400,7 @@ def main(
     prog: str = "python -m experiments.guess.baselines",
 ) -> None:
     """Print the table for the options of ``task_config`` (a task yaml playing this game)."""
-    options = _task_options(task_config)
+    options = task_options(task_config)
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Exact reward and feedback_in_range of simple players of the game.",
