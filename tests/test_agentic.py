@@ -190,7 +190,12 @@ def test_the_studys_baselines_are_the_games_exact_blind_optimum() -> None:
     }
     assert {b.metric for b in study.baselines} == set(blind)
     for baseline in study.baselines:
-        setting = Setting.of(1, 8, int(options["max_turns"]), blind[baseline.metric])
+        setting = Setting.of(
+            int(options["low"]),
+            int(options["high"]),
+            int(options["max_turns"]),
+            blind[baseline.metric],
+        )
         exact, _ = best_blind(setting)
         assert baseline.value == pytest.approx(float(exact), abs=5e-5), baseline
         # Reading the feedback is worth something: the optimum is above the baseline.

@@ -17,7 +17,7 @@ import yaml
 
 from agl.core.run.errors import UserError
 from agl.core.run.history import Run
-from agl.study.report import Setting, comparisons, coverage_lines
+from agl.study.report import Setting, comparisons, coverage_line
 from agl.study.spec import STUDIES, load_study, parse_study
 
 
@@ -93,19 +93,18 @@ def _setting(name: str, values: list[float]) -> Setting:
 
 
 def test_comparing_settings_without_noise() -> None:
-    setting = _setting
-    found = comparisons([setting("a", [0.5, 0.5]), setting("b", [0.625, 0.625])], "a")
+    found = comparisons([_setting("a", [0.5, 0.5]), _setting("b", [0.625, 0.625])], "a")
     (c,) = [c for c in found if c.metric.key == "val/reward"]
     assert c.difference == pytest.approx(0.125) and c.supported
 
 
 def test_a_study_under_way_says_which_runs_it_lacks() -> None:
     study = parse_study({"seeds": [0, 1, 2], "settings": {"a": [], "b": [], "c": []}}, "s")
-    (line,) = coverage_lines(study, [_setting("a", [0.5, 0.5, 0.5]), _setting("b", [0.5])])
+    line = coverage_line(study, [_setting("a", [0.5, 0.5, 0.5]), _setting("b", [0.5])])
     assert "Not finished" in line and "`b` 1/3" in line and "`c` 0/3" in line
     assert "`a`" not in line
     everything = [_setting(name, [0.5] * 3) for name in "abc"]
-    assert coverage_lines(study, everything) == ["Every setting finished its 3 seeds."]
+    assert coverage_line(study, everything) == "Every setting finished its 3 seeds."
 
 
 def test_every_study_file_parses() -> None:

@@ -237,15 +237,15 @@ def image_name(metric: StudyMetric) -> str:
 # ----------------------------------------------------------------------- the report
 
 
-def coverage_lines(study: Study, settings: Sequence[Setting]) -> list[str]:
+def coverage_line(study: Study, settings: Sequence[Setting]) -> str:
     """Which runs the report holds, so a study still under way says what it lacks."""
     done = {s.name: len(s.runs) for s in settings}
     wanted = len(study.seeds)
     missing = [name for name in study.settings if done.get(name, 0) < wanted]
     if not missing:
-        return [f"Every setting finished its {wanted} seeds."]
+        return f"Every setting finished its {wanted} seeds."
     shown = ", ".join(f"`{name}` {done.get(name, 0)}/{wanted}" for name in missing)
-    return [f"**Not finished**: {shown} seeds; the figures below cover the finished runs only."]
+    return f"**Not finished**: {shown} seeds; the figures below cover the finished runs only."
 
 
 def summary(study: Study, settings: Sequence[Setting]) -> str:
@@ -256,7 +256,7 @@ def summary(study: Study, settings: Sequence[Setting]) -> str:
         "Mean over seeds and its 95% Student-t interval `[low, high]`; computed by "
         "`python -m agl.study` from the runs' `metrics.jsonl`.",
         "",
-        *coverage_lines(study, settings),
+        coverage_line(study, settings),
         "",
         "## At the first step",
         "",
