@@ -1,9 +1,13 @@
 """``python -m experiments.swe.pipeline STAGE ...``: SWE-smith tasks to a training set, in
 resumable stages (experiments/swe/README.md).
 
-- ``filter --instances FILE... (--mirror DIR | --branches FILE) --out DIR``: the paper's
-  static filters (empty problem statement, problem branch missing, more than
-  ``--max-tests`` tests) into ``DIR/1-filter/``;
+- ``make --projects a,b,... --out DIR``: tasks made here from real projects
+  (``experiments.swe.make``): the mirror in ``DIR/mirror/``, the records in
+  ``DIR/0-make/``;
+- ``filter [--instances FILE...] [--mirror DIR | --branches FILE] --out DIR``: the
+  paper's static filters (empty problem statement, problem branch missing, more than
+  ``--max-tests`` tests) into ``DIR/1-filter/``; by default over ``make``'s records and
+  mirror;
 - ``difficulty --tallies FILE --out DIR``: the model-based filter over ``1-filter``'s
   instances, from each task's rollouts (``{"instance_id": [solved, rollouts]}``, as
   ``python -m experiments.swe.tally`` counts them from a run) into ``DIR/2-difficulty/``;
@@ -18,6 +22,7 @@ one line a stage.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -29,20 +34,60 @@ from tqdm import tqdm
 from agl.core.run.datasets import DatasetError
 from agl.core.run.errors import UserError
 from experiments.swe import filters, mirror, selection
+from experiments.swe.filters import Removed
 from experiments.swe.instances import Instance, read_instances, write_instances
+from experiments.swe.make import MakeOptions, make_project
+from experiments.swe.projects import PROJECTS, load_projects
 from experiments.swe.stages import INSTANCES, REPORT, Outcome, run_stage, summary_line
 
+MAKE = "0-make"
+MIRROR = "mirror"
 FILTER = "1-filter"
 DIFFICULTY = "2-difficulty"
 SPLIT = "3-split"
-STAGES = (FILTER, DIFFICULTY, SPLIT)
+SDISTS = Path("~/.cache/agl/sdists").expanduser()
+STAGES = (MAKE, FILTER, DIFFICULTY, SPLIT)
 
 
 def _progress(items: Sequence[Instance], what: str) -> Sequence[Instance]:
     return tqdm(items, desc=what, unit="task", disable=not sys.stderr.isatty(), leave=False)
 
 
+def stage_make(args: argparse.Namespace) -> list[Instance]:
+    known = load_projects(args.projects_file)
+    names = [n for n in args.projects.split(",") if n]
+    unknown = sorted(set(names) - set(known))
+    if unknown or not names:
+        raise UserError(f"no project {', '.join(unknown)}; known: {', '.join(known)}")
+    options = MakeOptions(per_project=args.per_project, seed=args.seed, timeout_s=args.timeout)
+    root = args.out / MIRROR
+    key = {"projects": [dataclasses.asdict(known[n]) for n in names], **dataclasses.asdict(options)}
+    key.pop("workers")  # how many at once does not change what is made
+    if not root.is_dir():  # a report without its mirror is not a finished stage
+        (args.out / MAKE / REPORT).unlink(missing_ok=True)
+
+    def work(_: Sequence[Instance]) -> Outcome:
+        kept: list[Instance] = []
+        removed: list[Removed] = []
+        details: dict[str, object] = {}
+        for name in names:
+            result = make_project(known[name], root, args.sdists, options)
+            kept += result.instances
+            removed += result.removed
+            details[known[name].repo] = result.details
+        return Outcome(kept, removed, details)
+
+    return run_stage(MAKE, args.out / MAKE, [], key, work)
+
+
 def stage_filter(args: argparse.Namespace) -> list[Instance]:
+    made = args.out / MAKE
+    if args.instances is None and args.mirror is None and args.branches is None:
+        if not (made / REPORT).is_file():
+            raise UserError("give --instances and --mirror or --branches, or run make first")
+        args.instances, args.mirror = [made / INSTANCES], args.out / MIRROR
+    if args.instances is None:
+        raise UserError("give the records to filter with --instances")
     if (args.mirror is None) == (args.branches is None):
         raise UserError("give the branches with exactly one of --mirror and --branches")
     instances = read_instances(args.instances)
@@ -123,9 +168,15 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m experiments.swe.pipeline", description=__doc__.split("\n")[0]
     )
     sub = p.add_subparsers(dest="stage", required=True)
+    m = sub.add_parser("make", help="tasks from real projects, the SWE-smith way")
+    m.add_argument("--projects", required=True, help="comma-separated names")
+    m.add_argument("--projects-file", type=Path, default=PROJECTS)
+    m.add_argument("--per-project", type=int, default=100, help="candidate bugs tried")
+    m.add_argument("--timeout", type=float, default=20.0, help="seconds a suite may run")
+    m.add_argument("--sdists", type=Path, default=SDISTS, help="the source releases' cache")
     f = sub.add_parser("filter", help="the static filters")
     f.add_argument(
-        "--instances", type=Path, nargs="+", required=True, help="jsonl, json or parquet"
+        "--instances", type=Path, nargs="+", help="jsonl, json or parquet (default: make's)"
     )
     f.add_argument("--mirror", type=Path, help="a local mirror (experiments/swe/mirror.py)")
     f.add_argument("--branches", type=Path, help='a JSON file {"repo": ["branch", ...]}')
@@ -137,9 +188,9 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("split", help="a seeded train/test split")
     s.add_argument("--test", type=float, default=400, help="a count, or a fraction below 1")
     st = sub.add_parser("status", help="one line a finished stage")
-    for q in (f, d, s, st):
+    for q in (m, f, d, s, st):
         q.add_argument("--out", type=Path, required=True, help="the pipeline's folder")
-    for q in (d, s):
+    for q in (m, d, s):
         q.add_argument("--seed", type=int, default=0)
     return p
 
@@ -147,7 +198,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="swe.pipeline: %(message)s")
-    stages = {"filter": stage_filter, "difficulty": stage_difficulty, "split": stage_split}
+    stages = {
+        "make": stage_make,
+        "filter": stage_filter,
+        "difficulty": stage_difficulty,
+        "split": stage_split,
+    }
     try:
         if args.stage != "status":
             stages[args.stage](args)

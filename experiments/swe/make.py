@@ -1,0 +1,221 @@
+"""Tasks made here the SWE-smith way: procedural bugs in real projects, kept when the
+project's own tests catch them.
+
+For each project (``conf/swe/projects.yaml``): its release is unpacked as the mirror's
+base; its whole suite runs once there (a test that fails without any bug is never a
+task's test); a seeded sample of candidate bugs (``experiments.swe.mutations``) is each
+written into a scratch copy and the suite run again with a timeout (some bugs loop):
+
+- ``FAIL_TO_PASS``: the tests that passed on the base and do not with the bug;
+- ``PASS_TO_PASS``: those that pass with and without it;
+- a candidate is kept when both are non-empty and the run finished in time, as
+  SWE-smith's validation keeps a bug (removed otherwise, the reason recorded).
+
+A kept bug becomes a branch of the mirror (its diff) and a record in SWE-smith's format,
+with a problem statement written from what fails: which tests, and the first line of
+the first failure's message, never the function or the change. A seeded share of the
+records is left without a statement, and another without its branch, as the published
+data has them: the pipeline's filters must find them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from queue import Queue
+
+from tqdm import tqdm
+
+from agl.core.run.errors import UserError
+from experiments.swe import mirror
+from experiments.swe.filters import Removed
+from experiments.swe.instances import Instance
+from experiments.swe.mutations import Mutation, mutations
+from experiments.swe.projects import Project, fetch_sdist, unpack
+from experiments.swe.testrun import PytestServer, TestRun
+
+log = logging.getLogger(__name__)
+
+TIMED_OUT = "timed out"
+NOTHING_FAILS = "no test fails"
+NOTHING_PASSES = "no test still passes"
+
+
+@dataclass(frozen=True)
+class MakeOptions:
+    per_project: int = 100  # candidates tried per project
+    seed: int = 0
+    timeout_s: float = 20.0  # one suite run with a bug in it
+    empty_statements: float = 0.15  # share of records left without a statement
+    missing_branches: float = 0.05  # share of records whose branch the mirror lacks
+    workers: int = 2
+
+
+def statement(project: Project, run: TestRun, fail_to_pass: Sequence[str]) -> str:
+    """A problem statement from what the bug breaks: the failing tests and the first
+    failure's message."""
+    shown = list(fail_to_pass[:3])
+    more = len(fail_to_pass) - len(shown)
+    lines = [
+        f"Since the last change to {project.name}, {len(fail_to_pass)} of its tests fail:",
+        "",
+        *(f"- `{t}`" for t in shown),
+    ]
+    if more:
+        lines.append(f"- and {more} more")
+    message = next((run.messages[t] for t in shown if run.messages.get(t)), "")
+    if message:
+        lines += ["", "The first one stops with:", "", "```", message, "```"]
+    lines += ["", "Make these tests pass again without breaking the others."]
+    return "\n".join(lines) + "\n"
+
+
+def instance_id(project: Project, mutation: Mutation) -> str:
+    """SWE-smith's shape: ``<repo>.<kind>__<hash>``."""
+    digest = hashlib.sha1(mutation.diff.encode()).hexdigest()[:8]
+    return f"{project.repo}.{mutation.kind}__{digest}"
+
+
+def candidates(project: Project, base: Path, count: int, seed: int) -> list[Mutation]:
+    """A seeded sample of ``count`` candidate bugs over the project's source modules."""
+    found = [
+        m
+        for path in project.source_files(base)
+        for m in mutations((base / path).read_text(encoding="utf-8"), path)
+    ]
+    rng = random.Random(f"{project.repo}:{seed}")
+    return rng.sample(found, min(count, len(found)))
+
+
+@contextmanager
+def _slots(base: Path, workers: int) -> Iterator[Queue[tuple[Path, PytestServer]]]:
+    """Scratch copies of the base, each with a warm pytest of its own."""
+    slots: Queue[tuple[Path, PytestServer]] = Queue()
+    with tempfile.TemporaryDirectory(prefix="agl-swe-make-") as scratch:
+        servers = []
+        for i in range(workers):
+            copy = Path(scratch) / f"w{i}" / "repo"
+            shutil.copytree(base, copy)
+            server = PytestServer()
+            servers.append(server)
+            slots.put((copy, server))
+        try:
+            yield slots
+        finally:
+            for server in servers:
+                server.close()
+
+
+def _try(
+    project: Project,
+    mutation: Mutation,
+    slots: Queue[tuple[Path, PytestServer]],
+    timeout: float,
+) -> TestRun:
+    copy, server = slots.get()
+    target = copy / mutation.path
+    original = target.read_bytes()
+    try:
+        target.write_text(mutation.source, encoding="utf-8")
+        return server.run(copy, project.pytest_arguments(), project.pythonpath, timeout)
+    finally:
+        target.write_bytes(original)
+        slots.put((copy, server))
+
+
+@dataclass
+class ProjectResult:
+    instances: list[Instance]
+    removed: list[Removed]
+    details: dict[str, object]
+
+
+def make_project(project: Project, root: Path, sdists: Path, options: MakeOptions) -> ProjectResult:
+    """One project's tasks: its base unpacked into the mirror at ``root`` (afresh), its
+    candidates validated, the kept ones' branches written."""
+    folder = mirror.repo_folder(root, project.repo)
+    shutil.rmtree(folder, ignore_errors=True)
+    sdist = fetch_sdist(project, sdists)
+    base = folder / mirror.BASE
+    unpack(sdist, base)
+    base_commit = hashlib.sha1(sdist.read_bytes()).hexdigest()
+    rng = random.Random(f"{project.repo}:{options.seed}:records")
+    with _slots(base, options.workers) as slots:
+        copy, server = slots.get()
+        reference = server.run(copy, project.pytest_arguments(), project.pythonpath, 120.0)
+        slots.put((copy, server))
+        passing = sorted(t for t, o in reference.outcomes.items() if o == "passed")
+        if not passing:
+            raise UserError(
+                f"{project.repo}: no test passes on its base: {reference.output[-300:]}"
+            )
+        tried = candidates(project, base, options.per_project, options.seed)
+        lock = threading.Lock()
+        bar = tqdm(total=len(tried), desc=project.repo, unit="bug", disable=not sys.stderr.isatty())
+
+        def run_one(m: Mutation) -> TestRun:
+            result = _try(project, m, slots, options.timeout_s)
+            with lock:
+                bar.update()
+            return result
+
+        with ThreadPoolExecutor(options.workers) as pool:
+            runs = list(pool.map(run_one, tried))
+        bar.close()
+    instances: list[Instance] = []
+    removed: list[Removed] = []
+    seen: set[str] = set()
+    for m, run in zip(tried, runs, strict=True):
+        iid = instance_id(project, m)
+        if iid in seen:
+            continue
+        seen.add(iid)
+        fail = [t for t in passing if not run.passed(t)]
+        still = [t for t in passing if run.passed(t)]
+        reason = (
+            TIMED_OUT
+            if run.timed_out
+            else NOTHING_FAILS
+            if not fail
+            else NOTHING_PASSES
+            if not still
+            else None
+        )
+        if reason is not None:
+            removed.append(Removed(iid, f"{reason}: {m.label}"))
+            continue
+        text = "" if rng.random() < options.empty_statements else statement(project, run, fail)
+        if rng.random() >= options.missing_branches:
+            mirror.add_branch(root, project.repo, iid, m.diff)
+        instances.append(
+            Instance(
+                instance_id=iid,
+                repo=project.repo,
+                FAIL_TO_PASS=tuple(fail),
+                PASS_TO_PASS=tuple(still),
+                patch=m.diff,
+                image_name=f"agl-swe/{project.repo}",
+                base_commit=base_commit,
+                problem_statement=text,
+                extra={"bug": m.label},
+            )
+        )
+    details = {
+        "tests": len(reference.outcomes),
+        "passing_on_base": len(passing),
+        "candidates": len(tried),
+        "kept": len(instances),
+        "suite_seconds_on_base": round(reference.seconds, 3),
+    }
+    log.info("%s: %d of %d candidates kept", project.repo, len(instances), len(tried))
+    return ProjectResult(instances, removed, details)

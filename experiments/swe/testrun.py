@@ -1,0 +1,169 @@
+"""Running a task's tests: a warm pytest process (``experiments.swe.pytest_server``) and
+the verdict SWE-smith's grading gives from its outcomes.
+
+``PytestServer`` starts the server (under a command prefix: the sandbox's, when the
+tests run the agent's code), sends it one run at a time and starts it again if it died
+(a test may kill its parent); ``verdict`` says whether every FAIL_TO_PASS test passed and
+every PASS_TO_PASS test still did. A test the run did not report (deleted, renamed,
+never collected) has not passed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TestRun:
+    """One run's outcomes (node id to passed, failed, error or skipped)."""
+
+    outcomes: Mapping[str, str]
+    messages: Mapping[str, str] = field(default_factory=dict)  # a failure's first line
+    timed_out: bool = False
+    exit: int | None = None
+    seconds: float = 0.0
+    output: str = ""
+
+    def passed(self, test: str) -> bool:
+        return self.outcomes.get(test) == "passed"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """SWE-smith's grade: resolved when every FAIL_TO_PASS test passes and every
+    PASS_TO_PASS test still does."""
+
+    fail_to_pass: tuple[int, int]  # (passed, of)
+    pass_to_pass: tuple[int, int]
+    timed_out: bool
+    not_passed: tuple[str, ...] = field(default=())  # the first few, for the event
+
+    @property
+    def resolved(self) -> bool:
+        f, fn = self.fail_to_pass
+        p, pn = self.pass_to_pass
+        return not self.timed_out and f == fn and p == pn
+
+    def details(self) -> dict[str, Any]:
+        return {
+            "resolved": self.resolved,
+            "fail_to_pass": list(self.fail_to_pass),
+            "pass_to_pass": list(self.pass_to_pass),
+            "timed_out": self.timed_out,
+            "not_passed": list(self.not_passed),
+        }
+
+
+def verdict(run: TestRun, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str]) -> Verdict:
+    """The grade of ``run`` for a task's two test lists."""
+    missed = [t for t in (*fail_to_pass, *pass_to_pass) if not run.passed(t)]
+    return Verdict(
+        fail_to_pass=(sum(run.passed(t) for t in fail_to_pass), len(fail_to_pass)),
+        pass_to_pass=(sum(run.passed(t) for t in pass_to_pass), len(pass_to_pass)),
+        timed_out=run.timed_out,
+        not_passed=tuple(missed[:10]),
+    )
+
+
+class PytestServer:
+    """A warm pytest process; ``run`` is one forked test run in a folder."""
+
+    def __init__(self, prefix: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
+        self._command = [*prefix, sys.executable, "-m", "experiments.swe.pytest_server"]
+        self._env = dict(env) if env is not None else None
+        self._process: subprocess.Popen[str] | None = None
+        self._lock = threading.Lock()
+
+    def _start(self) -> subprocess.Popen[str]:
+        root = str(Path(__file__).resolve().parents[2])  # experiments' parent
+        env = dict(self._env if self._env is not None else {})
+        env.setdefault("PATH", "/usr/bin:/bin")
+        env["PYTHONPATH"] = root
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        # the projects' tests need pytest alone; this machine's plugins cost 5-8x
+        env.setdefault("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+        return subprocess.Popen(
+            self._command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            cwd="/",
+        )
+
+    def run(
+        self,
+        cwd: Path,
+        args: Sequence[str],
+        pythonpath: Sequence[str] = (),
+        timeout: float = 60.0,
+    ) -> TestRun:
+        """pytest with ``args`` in ``cwd`` (``pythonpath`` entries relative to it)."""
+        request = {
+            "cwd": str(cwd),
+            "args": list(args),
+            "pythonpath": list(pythonpath),
+            "timeout": timeout,
+            "log_dir": str(cwd.parent),
+        }
+        with self._lock:
+            for attempt in range(2):
+                if self._process is None or self._process.poll() is not None:
+                    self._process = self._start()
+                assert self._process.stdin is not None and self._process.stdout is not None
+                try:
+                    self._process.stdin.write(json.dumps(request) + "\n")
+                    self._process.stdin.flush()
+                    line = self._process.stdout.readline()
+                except (BrokenPipeError, OSError):
+                    line = ""
+                if line:
+                    answer = json.loads(line)
+                    return TestRun(
+                        outcomes=answer.get("outcomes") or {},
+                        messages=answer.get("messages") or {},
+                        timed_out=bool(answer.get("timed_out")),
+                        exit=answer.get("exit"),
+                        seconds=float(answer.get("seconds") or 0.0),
+                        output=answer.get("output") or "",
+                    )
+                log.warning("the pytest server died (attempt %d); starting it again", attempt + 1)
+                self.close()
+        return TestRun(outcomes={}, output="the pytest server died twice on this run")
+
+    def close(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.stdin:
+            process.stdin.close()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stdout:
+            process.stdout.close()
+
+    def __enter__(self) -> PytestServer:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.close()
