@@ -44,7 +44,12 @@ from pathlib import Path
 # so not even root may read a folder without its r bit).
 _SEALED = 0o000
 _PASSAGE = 0o111
-_DROP = ("--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all")
+DROP_PRIVILEGES = (
+    "--no-new-privs",
+    "--inh-caps=-all",
+    "--ambient-caps=-all",
+    "--bounding-set=-all",
+)
 
 
 def _unshare() -> list[str]:
@@ -89,7 +94,7 @@ def unavailable() -> str | None:
     return None
 
 
-def _hide(folder: str, kept: Sequence[str]) -> None:
+def hide(folder: str, kept: Sequence[str]) -> None:
     """A tmpfs over ``folder``; each of ``kept`` (folders inside it) bound back in place."""
     if not os.path.isdir(folder):
         return  # nothing there to hide yet; nothing made later is visible either way
@@ -137,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     kept = [o.removeprefix("--keep=") for o in options if o.startswith("--keep=")]
     try:
         for folder in hidden:
-            _hide(folder, kept)
+            hide(folder, kept)
     except (OSError, subprocess.CalledProcessError) as error:
         sys.exit(f"agl confine: cannot hide the run's folders: {error}")
     # Signals sent to the group reach the command itself; this first process only waits
@@ -145,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: None)
     # close_fds=False: the command keeps what it was given (its pipes, the report key's).
-    child = subprocess.Popen(["setpriv", *_DROP, "--", *command], close_fds=False)
+    child = subprocess.Popen(["setpriv", *DROP_PRIVILEGES, "--", *command], close_fds=False)
     code = child.wait()
     sys.exit(128 - code if code < 0 else code)
 
