@@ -148,6 +148,7 @@ def make_project(project: Project, root: Path, sdists: Path, options: MakeOption
     sdist = fetch_sdist(project, sdists)
     base = folder / mirror.BASE
     unpack(sdist, base)
+    mirror.write_project(root, project)
     base_commit = hashlib.sha1(sdist.read_bytes()).hexdigest()
     rng = random.Random(f"{project.repo}:{options.seed}:records")
     with _slots(base, options.workers) as slots:

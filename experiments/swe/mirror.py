@@ -6,6 +6,7 @@ per bug, and its image holds the checkout. Here a mirror is a folder, with no gi
 
     <mirror>/<repo>/base/                 the project as released (its tests included)
     <mirror>/<repo>/branches/<branch>.diff the bug, as a diff against base
+    <mirror>/<repo>/project.json           how its tests run, which files are tests
 
 so a checkout is a copy of ``base`` with the diff applied (``patch -p1``): nothing in it
 remembers the unbugged code (no history, no bytecode), which is what the agent must not
@@ -16,16 +17,19 @@ file (``{"repo": ["branch", ...]}``, e.g. from ``git ls-remote`` of each mirror)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
 from pathlib import Path
 
 from agl.core.run.errors import UserError
+from experiments.swe.projects import Project
 
 BASE = "base"
 BRANCHES = "branches"
 DIFF = ".diff"
+PROJECT = "project.json"  # how the repository's tests run (experiments.swe.projects)
 
 
 def repo_folder(root: Path, repo: str) -> Path:
@@ -58,6 +62,23 @@ def branches_from_file(path: Path) -> dict[str, list[str]]:
     ):
         raise UserError(f'{path}: expected {{"repo": ["branch", ...]}}')
     return {str(k): list(v) for k, v in data.items()}
+
+
+def write_project(root: Path, project: Project) -> None:
+    """Record how ``project``'s tests run beside its base."""
+    path = repo_folder(root, project.repo) / PROJECT
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dataclasses.asdict(project), indent=1) + "\n")
+
+
+def read_project(root: Path, repo: str) -> Project:
+    """How ``repo``'s tests run, as the mirror recorded it."""
+    path = repo_folder(root, repo) / PROJECT
+    try:
+        data = json.loads(path.read_text())
+        return Project(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    except (OSError, ValueError, TypeError) as error:
+        raise UserError(f"{path}: no project description ({error})") from None
 
 
 def add_branch(root: Path, repo: str, branch: str, diff: str) -> Path:

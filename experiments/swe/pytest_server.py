@@ -107,7 +107,7 @@ def _tail(path: str) -> str:
 
 def serve_one(request: dict[str, Any]) -> dict[str, Any]:
     read_fd, write_fd = os.pipe()
-    log_path = os.path.join(request.get("log_dir") or "/tmp", f"pytest-{os.getpid()}.log")
+    log_path = os.path.join(tempfile.gettempdir(), f"agl-pytest-{os.getpid()}.log")
     pid = os.fork()
     if pid == 0:
         os.close(read_fd)

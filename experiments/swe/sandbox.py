@@ -175,7 +175,10 @@ def default_hidden() -> tuple[Path, ...]:
 
 def sandboxed(argv: Sequence[str], lockdown: Lockdown) -> list[str]:
     """``argv`` run in the sandbox ``lockdown`` describes."""
-    prefix = ["unshare"]
+    # The sandbox's first process gets a clean environment too: a command could read
+    # its /proc/1/environ where it runs as the same user (without root).
+    root = Path(__file__).resolve().parents[2]
+    prefix = ["env", "-i", "PATH=/usr/bin:/bin", f"PYTHONPATH={root}", "unshare"]
     if os.geteuid() != 0:
         prefix += ["--user", "--map-root-user"]
     prefix += ["--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
@@ -200,29 +203,29 @@ def _cover_file(path: str) -> None:
     subprocess.run(["mount", "--bind", "/dev/null", path], check=True, stdin=subprocess.DEVNULL)
 
 
-def _private_tmp(workspace: str) -> None:
-    """A fresh, empty /tmp (others' scratch copies and sockets out of sight); a
-    workspace inside it is bound back in place."""
-    inside = os.path.commonpath(["/tmp", workspace]) == "/tmp"
-    handle = os.open(workspace, os.O_PATH | os.O_DIRECTORY) if inside else None
+def _private_tmp(kept: Sequence[str]) -> None:
+    """A fresh, empty /tmp (others' scratch copies and sockets out of sight); the
+    ``kept`` folders inside it (the workspace) are bound back in place."""
+    inside = [k for k in kept if os.path.commonpath(["/tmp", k]) == "/tmp" and k != "/tmp"]
+    handles = {k: os.open(k, os.O_PATH | os.O_DIRECTORY) for k in inside}
     try:
         subprocess.run(
             ["mount", "-t", "tmpfs", "-o", "mode=1777", "agl-tmp", "/tmp"],
             check=True,
             stdin=subprocess.DEVNULL,
         )
-        if handle is not None:
-            os.makedirs(workspace)
-            for parent in Path(os.path.relpath(workspace, "/tmp")).parents[:-1]:
+        for path, handle in handles.items():
+            os.makedirs(path, exist_ok=True)
+            for parent in Path(os.path.relpath(path, "/tmp")).parents[:-1]:
                 os.chmod(Path("/tmp") / parent, 0o711)
             subprocess.run(
-                ["mount", "--no-canonicalize", "--bind", f"/proc/self/fd/{handle}", workspace],
+                ["mount", "--no-canonicalize", "--bind", f"/proc/self/fd/{handle}", path],
                 check=True,
                 stdin=subprocess.DEVNULL,
                 pass_fds=(handle,),
             )
     finally:
-        if handle is not None:
+        for handle in handles.values():
             os.close(handle)
 
 
@@ -248,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     spec, command = json.loads(args[0]), args[2:]
     workspace = spec["workspace"]
     try:
-        _private_tmp(workspace)
+        _private_tmp([workspace, *spec["kept"]])
         if spec["home"]:
             hide(spec["home"], [workspace, *spec["kept"]])
         for path in spec["hidden"]:

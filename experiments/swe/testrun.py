@@ -116,7 +116,6 @@ class PytestServer:
             "args": list(args),
             "pythonpath": list(pythonpath),
             "timeout": timeout,
-            "log_dir": str(cwd.parent),
         }
         with self._lock:
             for attempt in range(2):

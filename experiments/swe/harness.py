@@ -1,0 +1,98 @@
+"""The coding task's harness: mini-swe-agent, unmodified, on one SWE task.
+
+A command harness (``conf/task/swe.yaml``: one process per attempt, in the attempt's own
+workspace; the reward is the grader's, ``experiments.swe.grader``). It checks the task's
+branch out of the mirror into ``<workspace>/repo`` (a copy with no history), then runs
+mini-swe-agent as its ``mini`` command does: the config file
+(``experiments/swe/mini.yaml``) with the attempt's values merged over it (the proxy's
+address and key, the task, the workspace, what the sandbox hides), then its own
+``get_model``, ``get_environment`` and ``get_agent``. The agent talks to the model
+through the attempt's proxy; each of its commands runs in the sandbox, where the mirror,
+the run's folder and this machine's package indexes are out of sight.
+
+The input is the task's record (``instance_id``, ``repo``, ``problem_statement``, the
+test lists) with the task's options: ``mirror`` (the pipeline's mirror folder),
+``step_limit``, ``command_timeout_s``, ``temperature``, ``max_tokens``. The harness prints
+one JSON line: the agent's exit status and its model calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from agl.agent import ENV_WORKSPACE, AgentContext
+from experiments.swe import mirror
+from experiments.swe.sandbox import prepare_workspace
+
+CONFIG = Path(__file__).with_name("mini.yaml")
+REPO = "repo"  # the checkout's folder in the workspace
+TRAJECTORY = "trajectory.json"
+
+# mini-swe-agent unattended and offline: no global config folder of the user's, no price
+# list download, no retry of a failed call (the gateway's answer is the answer).
+MSWEA_ENV = {
+    "MSWEA_SILENT_STARTUP": "1",
+    "MSWEA_COST_TRACKING": "ignore_errors",
+    "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+}
+
+
+def attempt_config(agent: AgentContext, row: dict[str, Any], workspace: Path) -> dict[str, Any]:
+    """What the attempt sets over the config file (``mini -c key=value``)."""
+    kwargs: dict[str, Any] = {"api_base": agent.base_url, "api_key": agent.api_key}
+    for key in ("temperature", "max_tokens"):
+        if key in row:
+            kwargs[key] = row[key]
+    hidden = [str(Path(row["mirror"]).resolve()), str(workspace.parent.parent)]
+    agent_part: dict[str, Any] = {"output_path": str(workspace / TRAJECTORY)}
+    if "step_limit" in row:
+        agent_part["step_limit"] = int(row["step_limit"])
+    environment: dict[str, Any] = {"cwd": str(workspace / REPO), "hidden": hidden}
+    if "command_timeout_s" in row:
+        environment["timeout"] = int(row["command_timeout_s"])
+    return {
+        "agent": agent_part,
+        "environment": environment,
+        "model": {"model_name": f"openai/{agent.model or 'policy'}", "model_kwargs": kwargs},
+    }
+
+
+def run(agent: AgentContext, workspace: Path) -> dict[str, Any]:
+    """One attempt: the checkout, then mini-swe-agent to its end."""
+    for key, value in MSWEA_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MSWEA_GLOBAL_CONFIG_DIR", str(workspace / ".mswea"))
+    import litellm
+    from minisweagent.agents import get_agent
+    from minisweagent.config import get_config_from_spec
+    from minisweagent.environments import get_environment
+    from minisweagent.models import get_model
+    from minisweagent.utils.serialize import recursive_merge
+
+    litellm.suppress_debug_info = True  # else a provider list is printed per unpriced call
+    row = dict(agent.input)
+    checkout = workspace / REPO
+    mirror.checkout(Path(row["mirror"]), row["repo"], row["instance_id"], checkout)
+    prepare_workspace(checkout)
+    config = recursive_merge(get_config_from_spec(CONFIG), attempt_config(agent, row, workspace))
+    model = get_model(config=config["model"])
+    environment = get_environment(config["environment"], default_type="local")
+    coder = get_agent(model, environment, config["agent"], default_type="default")
+    result = coder.run(row.get("problem_statement") or "")
+    return {"exit_status": result.get("exit_status"), "model_calls": coder.n_calls}
+
+
+def main() -> None:
+    agent = AgentContext.from_env(os.environ)
+    workspace = Path(os.environ[ENV_WORKSPACE])
+    outcome = run(agent, workspace)
+    sys.stdout.write(json.dumps(outcome) + "\n")
+
+
+if __name__ == "__main__":
+    main()
