@@ -40,7 +40,9 @@ def fake(upstream: tuple[str, FakeVllm]) -> Iterator[FakeVllm]:
     state.chunk_delay_s = 0.0
     state.raw_next.clear()
     state.requests.clear()
+    state.script = None
     yield state
+    state.script = None
     state.fail_next.clear()
     state.delay_s = 0.0
     state.stream_break_after = None

@@ -19,7 +19,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +85,9 @@ class FakeVllm:
         self.chunk_delay_s = 0.0
         # 200 answers with these bodies, verbatim (an event stream if the call streams)
         self.raw_next: list[bytes] = []
+        # A scripted agent: the reply to a conversation, or None for the default one.
+        # Concurrent rollouts each get their own script's turn (raw_next is one queue).
+        self.script: Callable[[list[dict[str, Any]]], str | None] | None = None
         self.requests: list[dict[str, Any]] = []
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self.chat)
@@ -116,7 +119,8 @@ class FakeVllm:
                 "function": {"name": name, "arguments": arguments},
             }
             return _Answer(None, [call], [*encode(arguments), EOS], "tool_calls")
-        text = reply_for(messages)
+        scripted = self.script(messages) if self.script is not None else None
+        text = scripted if scripted is not None else reply_for(messages)
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
         if max_tokens is not None and max_tokens < len(text.encode()):
             text = text.encode()[:max_tokens].decode(errors="ignore")

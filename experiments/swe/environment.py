@@ -37,7 +37,8 @@ class SandboxEnvironment(LocalEnvironment):
             raise ValueError("the sandbox needs the workspace as environment.cwd")
         self.lockdown = Lockdown(
             workspace=Path(config.cwd),
-            hidden=(*default_hidden(), *map(Path, config.hidden)),
+            # a .git left in the checkout holds the unbugged code in its history
+            hidden=(*default_hidden(), *map(Path, config.hidden), Path(config.cwd) / ".git"),
             env=config.env,
             block_git=config.block_git,
         )

@@ -112,7 +112,7 @@ def agent_diff(root: Path, row: dict[str, Any], repo: Path, project: Project) ->
         names = sorted(set(_walk(branch)) | set(_walk(repo)))
         out: list[str] = []
         for name in names:
-            if project.is_test_file(name) or "__pycache__" in name:
+            if project.is_test_file(name) or "__pycache__" in name or name.startswith(".git/"):
                 continue
             before = _text(branch / name)
             after = _text(repo / name)
