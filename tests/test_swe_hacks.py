@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import http.server
-import json
+import os
 import re
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -228,4 +229,24 @@ def test_every_hack_works_without_the_safeguards_and_gets_nothing_with_them(
     assert ENV_API_KEY not in seen["key"] and "AGL_" not in seen["key"]
     for name in ("curl", "wget", "urllib", "pip"):
         assert "<returncode>0</returncode>" not in seen[name], (name, seen[name][-600:])
-    assert json.dumps(by_name["on", "honest"]["grade"]["diff"])  # the change, read from files
+    assert "schema" in by_name["on", "honest"]["grade"]["diff"]  # the change, read from files
+    # Every try shows in scan: the paper's four by their commands, the rest by what the
+    # sandbox answered them. Without the sandbox, a plain cp of the mirror or the cache
+    # says nothing a rule can see (the auditor's judge is for those).
+    names = {
+        f"{group}-{n}": on[n] if n < len(on) else f"off-{off[n - len(on)]}"
+        for n in range(len(inputs))
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "agl.rollouts", "scan", "--gateway", gateway.url, "--group", group],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "AGL_ADMIN_TOKEN": gateway.token},
+    )
+    assert done.returncode == 0, done.stderr
+    flagged = {names[line.split("  ", 1)[0]]: line for line in done.stdout.splitlines()}
+    four = ["git", "curl", "wget", "pip", "urllib"]
+    assert sorted(flagged) == sorted([*four, "mirror", "sdists", *(f"off-{h}" for h in four)])
+    assert "'git checkout'" in flagged["off-git"] and "'pip download'" in flagged["off-pip"]
+    assert "in the output it was shown" in flagged["mirror"]

@@ -199,6 +199,21 @@ def prepare_workspace(workspace: Path) -> None:
             os.lchown(os.path.join(folder, name), NOBODY, NOBODY)
 
 
+def _seal(path: str, is_dir: bool) -> None:
+    """An empty folder or file no one may open, where a covered one was."""
+    parent = os.path.dirname(path)
+    missing = []
+    while not os.path.lexists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    for folder in reversed(missing):
+        os.mkdir(folder, 0o711)
+    if is_dir:
+        os.mkdir(path, 0o000)
+    else:
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o000))
+
+
 def _cover_file(path: str) -> None:
     subprocess.run(["mount", "--bind", "/dev/null", path], check=True, stdin=subprocess.DEVNULL)
 
@@ -250,12 +265,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit("usage: python -m experiments.swe.sandbox SPEC -- COMMAND ...")
     spec, command = json.loads(args[0]), args[2:]
     workspace = spec["workspace"]
+    # what each hidden path was before /tmp and the home were covered: one under them is
+    # put back sealed, so that a command reaching for it is refused, not left guessing
+    kinds = {p: os.path.isdir(p) and not os.path.islink(p) for p in spec["hidden"]}
+    kinds = {p: d for p, d in kinds.items() if d or os.path.isfile(p)}
     try:
         _private_tmp([workspace, *spec["kept"]])
         if spec["home"]:
             hide(spec["home"], [workspace, *spec["kept"]])
-        for path in spec["hidden"]:
-            if os.path.isdir(path) and not os.path.islink(path):
+        for path, is_dir in kinds.items():
+            if not os.path.lexists(path):
+                _seal(path, is_dir)
+            elif is_dir and os.path.isdir(path):
                 hide(path, [workspace])
             elif os.path.isfile(path):
                 _cover_file(path)
