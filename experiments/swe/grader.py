@@ -74,11 +74,10 @@ def restore_tests(base: Path, repo: Path, project: Project) -> list[str]:
         if not project.is_test_file(relative):
             continue
         source, target = base / relative, repo / relative
-        same = (
-            target.is_file()
-            and not target.is_symlink()
-            and target.read_bytes() == source.read_bytes()
-        )
+        # the file itself, not one reached through a link on the way
+        plain = target.is_file() and target.resolve() == repo.resolve() / relative
+        same = plain and target.read_bytes() == source.read_bytes()
+
         if not same:
             shutil.copyfile(source, _clear_way(repo, relative))
             changed.append(relative)

@@ -42,7 +42,7 @@ from experiments.swe.filters import Removed
 from experiments.swe.instances import Instance
 from experiments.swe.mutations import Mutation, mutations
 from experiments.swe.projects import Project, fetch_sdist, unpack
-from experiments.swe.testrun import PytestServer, TestRun
+from experiments.swe.testrun import PytestServer, SuiteRun
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class MakeOptions:
     workers: int = 2
 
 
-def statement(project: Project, run: TestRun, fail_to_pass: Sequence[str]) -> str:
+def statement(project: Project, run: SuiteRun, fail_to_pass: Sequence[str]) -> str:
     """A problem statement from what the bug breaks: the failing tests and the first
     failure's message."""
     shown = list(fail_to_pass[:3])
@@ -121,7 +121,7 @@ def _try(
     mutation: Mutation,
     slots: Queue[tuple[Path, PytestServer]],
     timeout: float,
-) -> TestRun:
+) -> SuiteRun:
     copy, server = slots.get()
     target = copy / mutation.path
     original = target.read_bytes()
@@ -164,7 +164,7 @@ def make_project(project: Project, root: Path, sdists: Path, options: MakeOption
         lock = threading.Lock()
         bar = tqdm(total=len(tried), desc=project.repo, unit="bug", disable=not sys.stderr.isatty())
 
-        def run_one(m: Mutation) -> TestRun:
+        def run_one(m: Mutation) -> SuiteRun:
             result = _try(project, m, slots, options.timeout_s)
             with lock:
                 bar.update()

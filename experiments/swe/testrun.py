@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class TestRun:
+class SuiteRun:
     """One run's outcomes (node id to passed, failed, error or skipped)."""
 
     outcomes: Mapping[str, str]
@@ -65,7 +65,7 @@ class Verdict:
         }
 
 
-def verdict(run: TestRun, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str]) -> Verdict:
+def verdict(run: SuiteRun, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str]) -> Verdict:
     """The grade of ``run`` for a task's two test lists."""
     missed = [t for t in (*fail_to_pass, *pass_to_pass) if not run.passed(t)]
     return Verdict(
@@ -109,7 +109,7 @@ class PytestServer:
         args: Sequence[str],
         pythonpath: Sequence[str] = (),
         timeout: float = 60.0,
-    ) -> TestRun:
+    ) -> SuiteRun:
         """pytest with ``args`` in ``cwd`` (``pythonpath`` entries relative to it)."""
         request = {
             "cwd": str(cwd),
@@ -130,7 +130,7 @@ class PytestServer:
                     line = ""
                 if line:
                     answer = json.loads(line)
-                    return TestRun(
+                    return SuiteRun(
                         outcomes=answer.get("outcomes") or {},
                         messages=answer.get("messages") or {},
                         timed_out=bool(answer.get("timed_out")),
@@ -140,7 +140,7 @@ class PytestServer:
                     )
                 log.warning("the pytest server died (attempt %d); starting it again", attempt + 1)
                 self.close()
-        return TestRun(outcomes={}, output="the pytest server died twice on this run")
+        return SuiteRun(outcomes={}, output="the pytest server died twice on this run")
 
     def close(self) -> None:
         process, self._process = self._process, None
