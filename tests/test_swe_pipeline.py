@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl.core.run.datasets import DatasetError
-from experiments.swe import filters, pipeline, selection, stages
+from experiments.swe import filters, mirror, pipeline, selection, stages
 from experiments.swe.instances import Instance, instance_of, read_instances
 
 FIXTURE = Path(__file__).parent / "fixtures" / "swe"
@@ -244,3 +244,47 @@ def test_the_filters_name_their_reasons() -> None:
     assert filters.empty_statement(_instance(2)) == filters.EMPTY_STATEMENT
     with pytest.raises(ValueError):
         filters.too_many_tests(0)
+
+
+# -- tasks made from a real project (schema: 118 tests in ~0.4 s), then the filters
+
+
+def test_make_builds_validated_tasks_from_a_real_project_and_the_filters_run_over_them(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "pipe"
+    make = ["make", "--projects", "schema", "--per-project", 8, "--out", out]
+    assert _run(*make) == 0
+    report = json.loads((out / pipeline.MAKE / stages.REPORT).read_text())
+    details = report["details"]["schema.0.7.8"]
+    assert details["tests"] == details["passing_on_base"] > 100
+    assert report["kept"] + sum(report["removed"].values()) == details["candidates"] == 8
+    made = read_instances([out / pipeline.MAKE / stages.INSTANCES])
+    assert made, report
+    root = out / pipeline.MIRROR
+    held = mirror.branches(root)["schema.0.7.8"]
+    for item in made:
+        assert item.FAIL_TO_PASS and item.PASS_TO_PASS
+        assert not set(item.FAIL_TO_PASS) & set(item.PASS_TO_PASS)
+        assert item.instance_id.startswith("schema.0.7.8.") and item.patch.startswith("diff --git")
+        assert item.problem_statement == "" or item.FAIL_TO_PASS[0] in item.problem_statement
+        if item.branch in held:  # the bug is on its branch: the checkout has the patch in it
+            work = tmp_path / "work" / item.instance_id
+            mirror.checkout(root, item.repo, item.branch, work)
+            mirror.apply_diff(work, item.patch, reverse=True)  # the gold fix applies
+    report_text = (out / pipeline.MAKE / stages.REPORT).read_text()
+    assert _run(*make) == 0  # finished: skipped
+    assert (out / pipeline.MAKE / stages.REPORT).read_text() == report_text
+    assert _run("filter", "--out", out) == 0  # over make's records and mirror
+    filtered = json.loads((out / pipeline.FILTER / stages.REPORT).read_text())
+    # make leaves a share without a statement and a share without a branch: exactly those go
+    empty = {i.instance_id for i in made if not i.problem_statement.strip()}
+    missing = {i.instance_id for i in made if i.branch not in held} - empty
+    assert filtered["kept"] == len(made) - len(empty) - len(missing)
+    assert filtered["removed"].get(filters.EMPTY_STATEMENT, 0) == len(empty)
+    assert filtered["removed"].get(filters.MISSING_BRANCH, 0) == len(missing)
+
+
+def test_make_refuses_an_unknown_project(tmp_path: Path, capsys) -> None:
+    assert _run("make", "--projects", "nope", "--out", tmp_path) == 2
+    assert "no project nope; known: isodate" in capsys.readouterr().err
