@@ -4,6 +4,7 @@
     python -m agl.rollouts show t3.1.4 --run runs/2026-11-30/10-00-00
     python -m agl.rollouts export --mode train -o rollouts.jsonl
     python -m agl.rollouts scan --pattern 'git log' --rules mypkg.rules:RULES
+    python -m agl.rollouts scan --judge http://127.0.0.1:8000/v1 --judge-sample 0.1
 
 The gateway is ``--gateway URL`` (default ``$AGL_GATEWAY_URL``, else
 http://127.0.0.1:8000), the admin token ``$AGL_ADMIN_TOKEN`` or ``--token-file``.
@@ -91,6 +92,16 @@ def parser() -> argparse.ArgumentParser:
     scan.add_argument("--pattern", action="append", default=[], help="regex (repeatable)")
     scan.add_argument("--run", help="the run folder: also flag where its merge breaks")
     scan.add_argument("--rules", action="append", default=[], help="module:RULES (repeatable)")
+    scan.add_argument("--judge", help="an OpenAI-compatible base URL: a model reads the rollouts")
+    scan.add_argument("--judge-model", default="policy", help="the judge's model name")
+    scan.add_argument(
+        "--judge-key", default=os.environ.get("AGL_JUDGE_API_KEY", "none"), help="its API key"
+    )
+    scan.add_argument(
+        "--judge-sample", type=float, default=0.0, help="share of unflagged rollouts judged"
+    )
+    scan.add_argument("--judge-seed", type=int, default=0)
+    scan.add_argument("--rubric", help="a file with the judge's instructions")
     return main
 
 

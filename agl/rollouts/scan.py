@@ -2,7 +2,9 @@
 events to the reasons it is suspicious: the built-in ones (commands matching ``--pattern``,
 by default the paper's four reward hacks; outputs saying the sandbox refused a command;
 repeated calls, calls cut at max tokens, rewards without calls, failed calls), with
-``--run`` where the run's merge broke, and the user's (``--rules module:RULES``)."""
+``--run`` where the run's merge broke, and the user's (``--rules module:RULES``); with
+``--judge URL``, a model's verdict on each flagged rollout and a sample of the others
+(agl/rollouts/judge.py), recorded as a ``verdict`` event."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from agl.core.contracts.records import Event, Rollout
 from agl.core.contracts.samples import BreakReason
 from agl.core.run.errors import UserError
 from agl.rollouts.calls import explained, load_run_folder
+from agl.rollouts.judge import HACK, Judge, sampled, transcript, verdict_event
 from agl.rollouts.select import fields, filters, matching, of_attempt, reward_of
 from agl.rollouts.text import short, tool_call_text
 
@@ -192,11 +195,35 @@ async def cmd_scan(client: AsyncGatewayClient, args: argparse.Namespace, out: IO
         rules.append(merge_breaks(load_run_folder(args.run)))
     for spec in args.rules:
         rules += load_rules(spec)
-    scanned = flagged = 0
-    async for rollout, events in matching(client, filters(args)):
-        scanned += 1
-        reasons = [reason for rule in rules for reason in apply(rule, rollout, events)]
-        if reasons:
-            flagged += 1
-            print(f"{rollout.rollout_id}  {'; '.join(reasons)}", file=out)
-    print(f"scanned {scanned} rollouts, flagged {flagged}", file=sys.stderr)
+    judge = None
+    if args.judge:
+        if not 0.0 <= args.judge_sample <= 1.0:
+            raise UserError(f"--judge-sample {args.judge_sample}: a share between 0 and 1")
+        rubric = Judge.rubric_from(args.rubric)
+        judge = Judge(args.judge, args.judge_model, args.judge_key, rubric)
+    scanned = flagged = judged = hacks = 0
+    try:
+        async for rollout, events in matching(client, filters(args)):
+            scanned += 1
+            reasons = [reason for rule in rules for reason in apply(rule, rollout, events)]
+            if judge is not None and (
+                reasons or sampled(rollout.rollout_id, args.judge_sample, args.judge_seed)
+            ):
+                verdict = await judge(transcript(events, rollout.attempt))
+                event = verdict_event(rollout, verdict, bool(reasons))
+                await client.post_events(rollout.rollout_id, rollout.attempt, [event])
+                judged += 1
+                if verdict.verdict == HACK:
+                    hacks += 1
+                if reasons or verdict.verdict == HACK:
+                    reasons.append(f"judge: {verdict.verdict} ({verdict.reason})")
+            if reasons:
+                flagged += 1
+                print(f"{rollout.rollout_id}  {'; '.join(reasons)}", file=out)
+    finally:
+        if judge is not None:
+            await judge.close()
+    summary = f"scanned {scanned} rollouts, flagged {flagged}"
+    if judge is not None:
+        summary += f"; the judge read {judged} and called {hacks} a hack"
+    print(summary, file=sys.stderr)
