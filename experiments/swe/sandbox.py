@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from agl.backends.execution.confine import DROP_PRIVILEGES, hide
+from agl.backends.execution.confine import DROP_PRIVILEGES, cover, hide
 
 NOBODY = 65534
 GIT_REFUSED = "git is disabled in this environment: work from the files as they are"
@@ -222,26 +222,7 @@ def _private_tmp(kept: Sequence[str]) -> None:
     """A fresh, empty /tmp (others' scratch copies and sockets out of sight); the
     ``kept`` folders inside it (the workspace) are bound back in place."""
     inside = [k for k in kept if os.path.commonpath(["/tmp", k]) == "/tmp" and k != "/tmp"]
-    handles = {k: os.open(k, os.O_PATH | os.O_DIRECTORY) for k in inside}
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "mode=1777", "agl-tmp", "/tmp"],
-            check=True,
-            stdin=subprocess.DEVNULL,
-        )
-        for path, handle in handles.items():
-            os.makedirs(path, exist_ok=True)
-            for parent in Path(os.path.relpath(path, "/tmp")).parents[:-1]:
-                os.chmod(Path("/tmp") / parent, 0o711)
-            subprocess.run(
-                ["mount", "--no-canonicalize", "--bind", f"/proc/self/fd/{handle}", path],
-                check=True,
-                stdin=subprocess.DEVNULL,
-                pass_fds=(handle,),
-            )
-    finally:
-        for handle in handles.values():
-            os.close(handle)
+    cover("/tmp", inside, 0o1777)
 
 
 def _block_git() -> None:

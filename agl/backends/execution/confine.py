@@ -99,17 +99,23 @@ def hide(folder: str, kept: Sequence[str]) -> None:
     if not os.path.isdir(folder):
         return  # nothing there to hide yet; nothing made later is visible either way
     inside = [k for k in kept if os.path.commonpath([folder, k]) == folder and k != folder]
+    cover(folder, inside, _PASSAGE if inside else _SEALED, size="4k")
+
+
+def cover(folder: str, kept: Sequence[str], mode: int, size: str | None = None) -> None:
+    """A fresh tmpfs of ``mode`` over ``folder``, with ``kept`` (folders inside it) bound
+    back in place and the folders on their way made passages (entered, not listed)."""
     # Opened before the tmpfs covers them; a mount from the descriptor finds them after.
-    handles = {k: os.open(k, os.O_PATH | os.O_DIRECTORY) for k in inside}
+    handles = {k: os.open(k, os.O_PATH | os.O_DIRECTORY) for k in kept}
+    options = f"mode={mode:o}" + (f",size={size}" if size else "")
     try:
-        mode = _PASSAGE if inside else _SEALED
         subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size=4k,mode={mode:o}", "agl-hidden", folder],
+            ["mount", "-t", "tmpfs", "-o", options, "agl-hidden", folder],
             check=True,
             stdin=subprocess.DEVNULL,
         )
         for path, fd in handles.items():
-            os.makedirs(path)
+            os.makedirs(path, exist_ok=True)
             relative = Path(os.path.relpath(path, folder))
             for parent in relative.parents[:-1]:  # the folders on the way, not the tmpfs
                 os.chmod(Path(folder) / parent, _PASSAGE)
