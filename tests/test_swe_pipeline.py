@@ -13,8 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agl.core.contracts.records import Event, Rollout, Status
 from agl.core.run.datasets import DatasetError
-from experiments.swe import filters, mirror, pipeline, selection, stages
+from agl.rollouts.export import export_line
+from experiments.swe import filters, mirror, pipeline, selection, stages, tally
 from experiments.swe.instances import Instance, instance_of, read_instances
 
 FIXTURE = Path(__file__).parent / "fixtures" / "swe"
@@ -288,3 +290,48 @@ def test_make_builds_validated_tasks_from_a_real_project_and_the_filters_run_ove
 def test_make_refuses_an_unknown_project(tmp_path: Path, capsys) -> None:
     assert _run("make", "--projects", "nope", "--out", tmp_path) == 2
     assert "no project nope; known: isodate" in capsys.readouterr().err
+
+
+def _exported(rid: str, instance: str, rewards: list[float], attempt: int = 1) -> str:
+    rollout = Rollout(
+        rollout_id=rid,
+        group_id="g",
+        input={"instance_id": instance},
+        mode="train",
+        metadata={},
+        max_attempts=2,
+        timeout_s=None,
+        status=Status.SUCCEEDED,
+        attempt=attempt,
+        version=1,
+        created_at=0.0,
+        updated_at=0.0,
+    )
+    events = [
+        Event(
+            rollout_id=rid,
+            attempt=a,
+            event_id=f"{rid}-{a}",
+            sequence=a,
+            type="reward",
+            data={"value": r},
+            time=0.0,
+        )
+        for a, r in enumerate(rewards, 1)
+    ]
+    return export_line(rollout, events)
+
+
+def test_tallies_count_each_tasks_rewarded_rollouts_from_an_export(tmp_path: Path) -> None:
+    lines = [
+        _exported("a1", "task-a", [1.0]),
+        _exported("a2", "task-a", [0.0]),
+        _exported("a3", "task-a", []),  # no reward: not a result
+        _exported("b1", "task-b", [1.0, 0.0], attempt=2),  # the current attempt counts
+        _exported("b2", "task-b", [1.0]),
+    ]
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert tally.tallies(path.read_text().splitlines()) == {"task-a": [1, 2], "task-b": [1, 2]}
+    (tmp_path / "bad.jsonl").write_text('{"rollout": {}}\n')
+    assert tally.main([str(tmp_path / "bad.jsonl")]) == 2
