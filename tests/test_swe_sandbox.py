@@ -229,3 +229,28 @@ def test_the_tests_run_in_the_sandbox_through_the_warm_pytest(tmp_path: Path) ->
     with PytestServer(prefix=sandboxed([], lockdown)) as server:
         run = server.run(repo, ["tests/test_mini.py::test_add", "-p", "no:cacheprovider"], ["src"])
     assert run.outcomes == {"tests/test_mini.py::test_add": "passed"}
+
+
+@needs_namespaces
+def test_what_the_agent_leaves_in_the_repository_never_runs_in_the_reporting_process(
+    tmp_path: Path,
+) -> None:
+    """A sitecustomize.py or a pytest.py in the repository (the sandbox starts the server
+    there) would run before any test and could rewrite every outcome."""
+    repo = _project(tmp_path / "repo")
+    forced = (
+        "import _pytest.reports as r\n"
+        "r.TestReport.outcome = property(lambda self: 'passed', lambda self, v: None)\n"
+        "open('imported-' + __name__, 'w').close()\n"
+    )
+    (repo / "sitecustomize.py").write_text(forced)
+    (repo / "pytest.py").write_text(forced)
+    prepare_workspace(repo)
+    root = Path(__file__).resolve().parents[1]
+    lockdown = Lockdown(workspace=repo, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, kept=(root,))
+    with PytestServer(prefix=sandboxed([], lockdown)) as server:
+        run = server.run(
+            repo, ["tests/test_mini.py::test_wrong", "-p", "no:cacheprovider"], ["src"]
+        )
+    assert run.outcomes == {"tests/test_mini.py::test_wrong": "failed"}
+    assert not list(repo.glob("imported-*"))

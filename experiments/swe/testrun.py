@@ -23,6 +23,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+_BOOT = "from experiments.swe.pytest_server import main; main()"
+
 
 @dataclass(frozen=True)
 class SuiteRun:
@@ -80,16 +82,19 @@ class PytestServer:
     """A warm pytest process; ``run`` is one forked test run in a folder."""
 
     def __init__(self, prefix: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
-        self._command = [*prefix, sys.executable, "-m", "experiments.swe.pytest_server"]
+        # Isolated (-I): neither the folder it starts in (the repository, in the sandbox)
+        # nor PYTHON* variables reach its sys.path, so a sitecustomize.py or a pytest.py
+        # the agent left there is never imported by the process that reports outcomes.
+        root = str(Path(__file__).resolve().parents[2])  # experiments' parent
+        boot = f"import sys; sys.path.insert(0, {root!r}); {_BOOT}"
+        self._command = [*prefix, sys.executable, "-I", "-c", boot]
         self._env = dict(env) if env is not None else None
         self._process: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
 
     def _start(self) -> subprocess.Popen[str]:
-        root = str(Path(__file__).resolve().parents[2])  # experiments' parent
         env = dict(self._env if self._env is not None else {})
         env.setdefault("PATH", "/usr/bin:/bin")
-        env["PYTHONPATH"] = root
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         # the projects' tests need pytest alone; this machine's plugins cost 5-8x
         env.setdefault("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
