@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -190,12 +191,14 @@ def test_a_command_runs_as_nobody_in_its_workspace_with_nothing_else_in_reach(
         f"cat {secret}/fix.py || echo sealed; cat {single} || echo covered; "
         "ls /tmp | wc -l; env; git status || true; "
         "python -c \"import urllib.request as u; u.urlopen('http://1.1.1.1', timeout=3)\" "
-        "|| echo offline; touch /usr/local/x || echo readonly",
+        "|| echo offline; touch /usr/local/x || echo readonly; "
+        f"touch {Path(sys.prefix) / 'tampered'} || echo interpreter-readonly",
         hidden=(secret, single),
     )
     out = done.stdout
     assert out.startswith(f"{NOBODY}\nmine\nwrote\n"), out
     assert "sealed" in out and "covered" in out and "offline" in out and "readonly" in out
+    assert "interpreter-readonly" in out and not (Path(sys.prefix) / "tampered").exists()
     assert "the fix" not in out
     assert ENV_API_KEY not in out and "sk-attempt-secret" not in out
     assert GIT_REFUSED in done.stderr

@@ -18,7 +18,8 @@ in site-packages. ``sandboxed(argv, lockdown)`` runs ``argv``
   ``/tmp`` is a fresh one of its own;
 - ``git`` is a script that refuses, with a message the trajectory shows;
 - as an **unprivileged user** (``nobody``) with every capability dropped and
-  ``no_new_privs``, so the mounts cannot be undone;
+  ``no_new_privs``, so the mounts cannot be undone; the interpreter and agl's code are
+  read-only besides (without root, the command is the user who owns them);
 - with a **whitelisted environment** (``env -i``): no attempt key, no proxy address, no
   ``PIP_*`` pointing at an index.
 
@@ -199,6 +200,14 @@ def prepare_workspace(workspace: Path) -> None:
             os.lchown(os.path.join(folder, name), NOBODY, NOBODY)
 
 
+def _read_only(path: str) -> None:
+    """``path`` (the interpreter, agl's code) read-only in the sandbox: without root the
+    command runs as the user who owns a user's venv, and could rewrite the pytest that
+    reports its outcomes."""
+    subprocess.run(["mount", "--bind", path, path], check=True, stdin=subprocess.DEVNULL)
+    subprocess.run(["mount", "-o", "remount,bind,ro", path], check=True, stdin=subprocess.DEVNULL)
+
+
 def _seal(path: str, is_dir: bool) -> None:
     """An empty folder or file no one may open, where a covered one was."""
     parent = os.path.dirname(path)
@@ -254,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         _private_tmp([workspace, *spec["kept"]])
         if spec["home"]:
             hide(spec["home"], [workspace, *spec["kept"]])
+        for path in spec["kept"]:  # before the covers: a bind made after would lift them
+            _read_only(path)
         for path, is_dir in kinds.items():
             if not os.path.lexists(path):
                 _seal(path, is_dir)
