@@ -15,16 +15,15 @@ import pytest
 
 from agl.agent import ENV_API_KEY
 from agl.backends.execution.confine import unavailable
-from experiments.swe.grader import remove_bytecode, restore_tests
-from experiments.swe.projects import load_projects
+from experiments.swe.grader import carry_over, reaches_into_the_runner
 from experiments.swe.sandbox import (
-    GIT_REFUSED,
     NOBODY,
     Lockdown,
     installed_copies,
     prepare_workspace,
     sandboxed,
 )
+from experiments.swe.sandbox_entry import GIT_REFUSED
 from experiments.swe.testrun import PytestServer, SuiteRun, verdict
 
 needs_namespaces = pytest.mark.skipif(
@@ -107,57 +106,58 @@ def test_the_verdict_is_swe_smiths() -> None:
     assert not verdict(SuiteRun(outcomes={"f1": "passed"}, timed_out=True), ["f1"], []).resolved
 
 
-def test_restoring_tests_undoes_every_way_of_changing_them(tmp_path: Path) -> None:
-    project = load_projects()["isodate"]
-    base, repo = tmp_path / "base", tmp_path / "repo"
-    for root in (base, repo):
+def test_only_the_agents_sources_are_carried_over_to_a_fresh_checkout(tmp_path: Path) -> None:
+    branch, repo = tmp_path / "branch", tmp_path / "repo"
+    for root in (branch, repo):
         (root / "tests").mkdir(parents=True)
         (root / "tests" / "test_a.py").write_text("def test_a():\n    assert False\n")
-        (root / "tests" / "test_b.py").write_text("def test_b():\n    pass\n")
         (root / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
-        (root / "src").mkdir()
-        (root / "src" / "code.py").write_text("x = 1\n")
+        (root / "src" / "pkg").mkdir(parents=True)
+        (root / "src" / "pkg" / "code.py").write_text("x = 1\n")
+        (root / "src" / "pkg" / "other.py").write_text("y = 1\n")
     (repo / "tests" / "test_a.py").write_text("def test_a():\n    pass\n")  # edited
-    (repo / "tests" / "test_b.py").unlink()  # deleted
     (repo / "tests" / "conftest.py").write_text("# decides what passes\n")  # added
-    (repo / "conftest.py").write_text("# at the top too\n")
+    (repo / "json.py").write_text("# shadows the standard library\n")
     (repo / "pyproject.toml").unlink()
-    (repo / "pyproject.toml").symlink_to("/etc/hostname")  # a link where the file was
-    (repo / "src" / "code.py").write_text("x = 2\n")  # the agent's fix: kept
-    (repo / "src" / "__pycache__").mkdir()
-    (repo / "src" / "__pycache__" / "code.cpython-311.pyc").write_bytes(b"stale")
-    restored = restore_tests(base, repo, project)
-    remove_bytecode(repo)
-    assert restored == [
-        "conftest.py",
-        "pyproject.toml",
-        "tests/conftest.py",
-        "tests/test_a.py",
-        "tests/test_b.py",
-    ]
-    for name in ("tests/test_a.py", "tests/test_b.py", "pyproject.toml"):
-        assert (repo / name).read_bytes() == (base / name).read_bytes()
-        assert not (repo / name).is_symlink()
-    assert not (repo / "conftest.py").exists() and not (repo / "tests" / "conftest.py").exists()
-    assert (repo / "src" / "code.py").read_text() == "x = 2\n"
-    assert not (repo / "src" / "__pycache__").exists()
-    assert restore_tests(base, repo, project) == []
+    (repo / "pyproject.toml").symlink_to("/etc/hostname")
+    (repo / "src" / "pkg" / "code.py").write_text("x = 2\n")  # the fix
+    (repo / "src" / "pkg" / "__pycache__").mkdir()
+    (repo / "src" / "pkg" / "__pycache__" / "code.cpython-311.pyc").write_bytes(b"stale")
+    change = carry_over(branch, repo, ["src/pkg/code.py", "src/pkg/other.py"])
+    assert change.changed == ("src/pkg/code.py",) and change.missing == ()
+    assert change.ignored == ("json.py", "pyproject.toml", "tests/conftest.py", "tests/test_a.py")
+    assert (branch / "src" / "pkg" / "code.py").read_text() == "x = 2\n"
+    assert (branch / "tests" / "test_a.py").read_text() == "def test_a():\n    assert False\n"
+    assert not (branch / "json.py").exists() and not (branch / "tests" / "conftest.py").exists()
+    assert "+x = 2" in change.diff
 
 
-def test_a_test_folder_replaced_by_a_link_is_put_back(tmp_path: Path) -> None:
-    project = load_projects()["xmltodict"]
-    base, repo = tmp_path / "base", tmp_path / "repo"
-    (base / "tests").mkdir(parents=True)
-    (base / "tests" / "test_x.py").write_text("def test_x():\n    assert 0\n")
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    (elsewhere / "test_x.py").write_text("def test_x():\n    pass\n")
-    repo.mkdir()
-    (repo / "tests").symlink_to(elsewhere)
-    assert restore_tests(base, repo, project) == ["tests/test_x.py"]
-    assert (repo / "tests").is_dir() and not (repo / "tests").is_symlink()
-    assert (repo / "tests" / "test_x.py").read_text() == "def test_x():\n    assert 0\n"
-    assert (elsewhere / "test_x.py").read_text() == "def test_x():\n    pass\n"  # untouched
+def test_a_deleted_or_linked_source_is_missing(tmp_path: Path) -> None:
+    branch, repo = tmp_path / "branch", tmp_path / "repo"
+    for root in (branch, repo):
+        root.mkdir()
+        (root / "a.py").write_text("a = 1\n")
+        (root / "b.py").write_text("b = 1\n")
+    (repo / "a.py").unlink()  # the tests would import an installed copy
+    (repo / "b.py").unlink()
+    (repo / "b.py").symlink_to(tmp_path / "elsewhere.py")
+    assert carry_over(branch, repo, ["a.py", "b.py"]).missing == ("a.py", "b.py")
+
+
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        ("import _pytest.reports as r", "_pytest"),
+        ("sys.modules['json'] = fake", "sys.modules"),
+        ("os._exit(0)", "os._exit"),
+        ("open('/proc/1/fd/1', 'w')", "/proc"),
+        ("__builtins__['open'] = f", "__builtins__"),
+    ],
+)
+def test_a_change_that_reaches_into_the_test_runner_is_refused(line: str, named: str) -> None:
+    diff = f"--- a/x.py\n+++ b/x.py\n@@ -1 +1,2 @@\n x = 1\n+{line}\n"
+    assert reaches_into_the_runner(diff) == named
+    assert reaches_into_the_runner("--- a/x.py\n+++ b/x.py\n-import sys.modules\n+x = 2\n") is None
 
 
 def _in_sandbox(workspace: Path, command: str, **lockdown: object) -> subprocess.CompletedProcess:
@@ -207,7 +207,7 @@ def test_a_command_runs_as_nobody_in_its_workspace_with_nothing_else_in_reach(
 
 @needs_namespaces
 def test_an_installed_copy_of_the_project_is_out_of_sight(tmp_path: Path) -> None:
-    copies = installed_copies(["pytest"])  # any installed package stands in for one
+    copies = installed_copies(["_pytest"])  # any installed package stands in for one
     assert any(p.name == "_pytest" for p in copies)
     workspace = tmp_path / "ws"
     workspace.mkdir()

@@ -1,20 +1,23 @@
-"""The coding task's reward: the task's tests on what the agent left, as SWE-smith grades.
+"""The coding task's reward: the task's tests on the agent's change, as SWE-smith grades.
 
 The grader (``conf/task/swe.yaml``'s ``grader``) runs on the controller's side after the
-harness exited, so nothing the model's commands reached can post a reward. On the
-attempt's checkout (``<workspace>/repo``) it
+harness exited, so nothing the model's commands reached can post a reward. It does not
+run the tests in what the agent left: a fresh checkout of the task's branch gets the
+agent's version of each of the project's *source* files (``project.json``'s ``sources``)
+and nothing else. Edited or deleted tests, a ``conftest.py`` or ``pytest.ini`` of the
+agent's, a module shadowing the standard library, bytecode, links: none of it is carried
+over (the ``ignored`` list of the ``grade`` event names what was left behind). Then:
 
-1. puts every test file back as the mirror's base has it, and removes the test files the
-   agent added (a ``conftest.py`` of its own would decide what passes): an agent that
-   edits tests gains nothing;
-2. removes all bytecode (a ``.pyc`` beside an edited module could stand in for it);
-3. runs FAIL_TO_PASS and PASS_TO_PASS in the sandbox the agent's commands ran in (the
-   tests run the agent's code: no network, nothing hidden comes back into sight);
-4. rewards 1 when every FAIL_TO_PASS test passes and every PASS_TO_PASS test still does,
-   else 0, and records the breakdown (``grade`` event): the counts, the tests that did
-   not pass, the files restored, and the agent's change as a diff against the branch.
-
-No git is involved: the change is read from the files.
+- a source file the agent deleted or replaced by a link gives 0 (the tests would import
+  another copy of the module, or the link's target);
+- a change whose added lines reach into the test runner or the process (``_pytest``,
+  ``sys.modules``, ``os._exit``, ``/proc``, ...) gives 0: the project's code runs in the
+  process that reports outcomes, and could rewrite them;
+- else FAIL_TO_PASS and PASS_TO_PASS run in the sandbox the agent's commands ran in,
+  with agl's checkout and the pipeline's folder out of sight (the tests run the agent's
+  code), through a copy of the warm pytest that imports pytest and nothing of agl's;
+- the reward is 1 when every FAIL_TO_PASS test passes and every PASS_TO_PASS test still
+  does, else 0; the ``grade`` event records the breakdown and the change as a diff.
 """
 
 from __future__ import annotations
@@ -22,136 +25,162 @@ from __future__ import annotations
 import asyncio
 import difflib
 import os
-import shutil
+import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agl.grading import Grade, GradeRequest
 from experiments.swe import mirror
-from experiments.swe.harness import REPO
+from experiments.swe.harness import REPO, hidden_from_agents
 from experiments.swe.projects import Project
-from experiments.swe.sandbox import Lockdown, default_hidden, prepare_workspace, sandboxed
+from experiments.swe.sandbox import (
+    Lockdown,
+    default_hidden,
+    installed_copies,
+    prepare_workspace,
+    sandboxed,
+)
 from experiments.swe.testrun import PytestServer, verdict
 
-EXPERIMENTS_ROOT = Path(__file__).resolve().parents[2]
 DIFF_CHARS = 20_000
+MAX_SOURCE_BYTES = 2_000_000  # a source file larger than this is not a fix
+IGNORED_SHOWN = 50
+# What a fix of a project's function has no business touching: the test runner, the
+# interpreter's module table, its exit, other processes, its frames and builtins.
+REACHES_INTO_THE_RUNNER = re.compile(
+    r"_pytest|\bpytest\b|sys\.modules|\bos\._exit\b|/proc\b|\bos\.write\b|\bgc\.|"
+    r"_getframe|settrace|setprofile|__builtins__|\bbuiltins\b|\bimportlib\b|\bctypes\b"
+)
 
 
-def _walk(root: Path) -> list[str]:
-    """Every file and link under ``root`` (links not followed), relative, sorted."""
+@dataclass(frozen=True)
+class Change:
+    """What of the agent's checkout the grade carries over."""
+
+    changed: tuple[str, ...]  # source files the agent changed
+    missing: tuple[str, ...]  # source files it deleted or replaced by a link
+    ignored: tuple[str, ...]  # everything else it changed or added: left behind
+    diff: str  # the changed sources, against the branch
+
+
+def _files(root: Path) -> list[str]:
+    """Files and links under ``root`` (links not followed; no .git, no bytecode)."""
     found = []
     for folder, dirs, files in os.walk(root, followlinks=False):
         here = Path(folder)
+        dirs[:] = [d for d in dirs if d not in (".git", "__pycache__")]
         for name in files + [d for d in dirs if (here / d).is_symlink()]:
             found.append((here / name).relative_to(root).as_posix())
     return sorted(found)
 
 
-def _clear_way(repo: Path, relative: str) -> Path:
-    """``repo/relative`` made writable as a plain file: a link or file where a folder
-    should be, or a link or folder where the file goes, is removed first."""
-    target = repo
-    parts = Path(relative).parts
-    for part in parts[:-1]:
-        target = target / part
-        if target.is_symlink() or (target.exists() and not target.is_dir()):
-            target.unlink()
-        target.mkdir(exist_ok=True)
-    target = target / parts[-1]
-    if target.is_symlink() or target.is_file():
-        target.unlink()
-    elif target.is_dir():
-        shutil.rmtree(target)
-    return target
+def _bytes(path: Path) -> bytes | None:
+    """A plain file's bytes (None for a link, a folder, a special or a huge file)."""
+    if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_SOURCE_BYTES:
+        return None
+    return path.read_bytes()
 
 
-def restore_tests(base: Path, repo: Path, project: Project) -> list[str]:
-    """The base's test files put back in ``repo``, and test files the base lacks removed;
-    what changed, sorted."""
-    changed = []
-    for relative in _walk(base):
-        if not project.is_test_file(relative):
-            continue
-        source, target = base / relative, repo / relative
-        # the file itself, not one reached through a link on the way
-        plain = target.is_file() and target.resolve() == repo.resolve() / relative
-        same = plain and target.read_bytes() == source.read_bytes()
-
-        if not same:
-            shutil.copyfile(source, _clear_way(repo, relative))
-            changed.append(relative)
-    for relative in _walk(repo):
-        if project.is_test_file(relative) and not (base / relative).exists():
-            path = repo / relative
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-            changed.append(relative)
-    return sorted(set(changed))
-
-
-def remove_bytecode(repo: Path) -> None:
-    for folder, dirs, files in os.walk(repo, followlinks=False):
-        for d in list(dirs):
-            if d == "__pycache__":
-                shutil.rmtree(Path(folder) / d)
-                dirs.remove(d)
-        for name in files:
-            if name.endswith((".pyc", ".pyo")):
-                (Path(folder) / name).unlink()
+def carry_over(branch: Path, repo: Path, sources: list[str]) -> Change:
+    """The agent's sources (from ``repo``) written over ``branch``, a fresh checkout."""
+    changed, missing, diff = [], [], []
+    for name in sources:
+        mine, theirs = _bytes(repo / name), (branch / name).read_bytes()
+        if mine is None:
+            missing.append(name)
+        elif mine != theirs:
+            (branch / name).write_bytes(mine)
+            changed.append(name)
+            diff += difflib.unified_diff(
+                theirs.decode("utf-8", "replace").splitlines(keepends=True),
+                mine.decode("utf-8", "replace").splitlines(keepends=True),
+                f"a/{name}",
+                f"b/{name}",
+            )
+    kept = set(sources)
+    ignored = [
+        name
+        for name in _files(repo)
+        if name not in kept and _bytes(repo / name) != _bytes(branch / name)
+    ]
+    return Change(tuple(changed), tuple(missing), tuple(ignored), "".join(diff))
 
 
-def agent_diff(root: Path, row: dict[str, Any], repo: Path, project: Project) -> str:
-    """The agent's change to the non-test files, as a diff against the task's branch."""
-    with tempfile.TemporaryDirectory(prefix="agl-swe-branch-") as scratch:
-        branch = Path(scratch) / "branch"
-        mirror.checkout(root, row["repo"], row["instance_id"], branch)
-        names = sorted(set(_walk(branch)) | set(_walk(repo)))
-        out: list[str] = []
-        for name in names:
-            if project.is_test_file(name) or "__pycache__" in name or name.startswith(".git/"):
-                continue
-            before = _text(branch / name)
-            after = _text(repo / name)
-            if before != after:
-                out += difflib.unified_diff(
-                    before.splitlines(keepends=True),
-                    after.splitlines(keepends=True),
-                    f"a/{name}",
-                    f"b/{name}",
-                )
-    return "".join(out)[:DIFF_CHARS]
+def reaches_into_the_runner(diff: str) -> str | None:
+    """What an added line of the change names that a fix has no business touching."""
+    added = "\n".join(
+        line[1:]
+        for line in diff.splitlines()
+        if line.startswith("+") and not line.startswith("+++")
+    )
+    found = REACHES_INTO_THE_RUNNER.search(added)
+    return found.group(0) if found else None
 
 
-def _text(path: Path) -> str:
-    if path.is_symlink():
-        return f"<a link to {os.readlink(path)}>\n"
-    if not path.is_file():
-        return ""
-    return path.read_bytes().decode("utf-8", "replace")
+def _details(change: Change) -> dict[str, Any]:
+    return {
+        "changed": list(change.changed),
+        "missing": list(change.missing),
+        "ignored": list(change.ignored[:IGNORED_SHOWN]),
+        "diff": change.diff[:DIFF_CHARS],
+    }
+
+
+def _zero(change: Change, why: str, tests: tuple[int, int]) -> Grade:
+    return Grade(
+        reward=0.0,
+        metrics={"fail_to_pass": 0.0, "pass_to_pass": 0.0, "tests_s": 0.0},
+        details={
+            "resolved": False,
+            "refused": why,
+            "fail_to_pass": [0, tests[0]],
+            "pass_to_pass": [0, tests[1]],
+            **_details(change),
+        },
+    )
 
 
 def grade_checkout(row: dict[str, Any], repo: Path, hidden: list[Path]) -> Grade:
-    """The reward of the checkout ``repo`` for the task ``row``."""
+    """The reward of the agent's checkout ``repo`` for the task ``row``."""
     root = Path(row["mirror"])
-    project = mirror.read_project(root, row["repo"])
+    project: Project = mirror.read_project(root, row["repo"])
     base = mirror.repo_folder(root, row["repo"]) / mirror.BASE
-    restored = restore_tests(base, repo, project)
-    remove_bytecode(repo)
-    prepare_workspace(repo)
-    lockdown = Lockdown(
-        workspace=repo,
-        hidden=(*default_hidden(), root.resolve(), *hidden),
-        env={"PYTHONPATH": str(EXPERIMENTS_ROOT), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
-        kept=(EXPERIMENTS_ROOT,),
-    )
-    tests = [*row["FAIL_TO_PASS"], *row["PASS_TO_PASS"]]
-    timeout = float(row.get("test_timeout_s", 120))
-    with PytestServer(prefix=sandboxed([], lockdown)) as server:
-        run = server.run(repo, project.pytest_arguments(tests), project.pythonpath, timeout)
-    result = verdict(run, row["FAIL_TO_PASS"], row["PASS_TO_PASS"])
+    f2p, p2p = list(row["FAIL_TO_PASS"]), list(row["PASS_TO_PASS"])
+    with tempfile.TemporaryDirectory(prefix="agl-swe-grade-") as scratch:
+        fresh = Path(scratch) / "repo"
+        mirror.checkout(root, row["repo"], row["instance_id"], fresh)
+        change = carry_over(fresh, repo, project.source_files(base))
+        if change.missing:
+            return _zero(
+                change, f"source files missing: {', '.join(change.missing)}", (len(f2p), len(p2p))
+            )
+        if reason := reaches_into_the_runner(change.diff):
+            return _zero(
+                change, f"the change reaches into the test runner: {reason!r}", (len(f2p), len(p2p))
+            )
+        prepare_workspace(fresh)
+        server = Path(scratch) / "server"
+        server.mkdir(mode=0o755)
+        os.chmod(scratch, 0o711)  # the sandbox's user passes through to the two folders
+        lockdown = Lockdown(
+            workspace=fresh,
+            hidden=(
+                *default_hidden(),
+                *hidden,
+                *hidden_from_agents(root, repo.parent),
+                *installed_copies(project.modules(base)),
+            ),
+            env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
+            kept=(server,),
+        )
+        timeout = float(row.get("test_timeout_s", 120))
+        with PytestServer(prefix=sandboxed([], lockdown), boot_dir=server) as tests:
+            run = tests.run(
+                fresh, project.pytest_arguments([*f2p, *p2p]), project.pythonpath, timeout
+            )
+    result = verdict(run, f2p, p2p)
     f, fn = result.fail_to_pass
     p, pn = result.pass_to_pass
     return Grade(
@@ -160,12 +189,10 @@ def grade_checkout(row: dict[str, Any], repo: Path, hidden: list[Path]) -> Grade
             "fail_to_pass": f / fn if fn else 1.0,
             "pass_to_pass": p / pn if pn else 1.0,
             "tests_s": run.seconds,
-            "tests_restored": float(len(restored)),
         },
         details={
             **result.details(),
-            "restored": restored,
-            "diff": agent_diff(root, row, repo, project),
+            **_details(change),
             "output": run.output[-2000:] if not result.resolved else "",
         },
     )
@@ -175,5 +202,4 @@ async def grade(request: GradeRequest) -> Grade:
     repo = request.file(REPO)
     if repo.is_symlink() or not repo.is_dir():
         raise ValueError("the attempt left no checkout")
-    run_dir = request.workspace.resolve().parent.parent
-    return await asyncio.to_thread(grade_checkout, dict(request.input), repo, [run_dir])
+    return await asyncio.to_thread(grade_checkout, dict(request.input), repo, [])

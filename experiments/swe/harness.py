@@ -31,7 +31,7 @@ from typing import Any
 
 from agl.agent import ENV_WORKSPACE, AgentContext
 from experiments.swe import mirror
-from experiments.swe.sandbox import prepare_workspace
+from experiments.swe.sandbox import ROOT, installed_copies, prepare_workspace
 
 CONFIG = Path(__file__).with_name("mini.yaml")
 REPO = "repo"  # the checkout's folder in the workspace
@@ -53,7 +53,11 @@ def attempt_config(agent: AgentContext, row: dict[str, Any], workspace: Path) ->
     for key in ("temperature", "max_tokens"):
         if key in row:
             kwargs[key] = row[key]
-    hidden = [str(Path(row["mirror"]).resolve()), str(workspace.parent.parent)]
+    root = Path(row["mirror"])
+    project = mirror.read_project(root, row["repo"])
+    base = mirror.repo_folder(root, row["repo"]) / mirror.BASE
+    hidden = [str(p) for p in hidden_from_agents(root, workspace)]
+    hidden += [str(p) for p in installed_copies(project.modules(base))]
     agent_part: dict[str, Any] = {"output_path": str(workspace / TRAJECTORY)}
     if "step_limit" in row:
         agent_part["step_limit"] = int(row["step_limit"])
@@ -86,6 +90,14 @@ def leaky_checkout(root: Path, repo: str, branch: str, dest: Path) -> None:
     git("commit", "-q", "-a", "-m", "a change")
 
 
+def hidden_from_agents(root: Path, workspace: Path) -> list[Path]:
+    """What a task's commands must not see beyond the machine's defaults: the pipeline's
+    folder (the mirror's base, the records with their patches), the run's folder (the
+    store, other workspaces: the executor's layout is <run>/workspaces/<attempt>) and
+    agl's checkout (data and runs kept there)."""
+    return [root.resolve().parent, workspace.resolve().parent.parent, ROOT]
+
+
 def run(agent: AgentContext, workspace: Path) -> dict[str, Any]:
     """One attempt: the checkout, then mini-swe-agent to its end."""
     for key, value in MSWEA_ENV.items():
@@ -100,6 +112,8 @@ def run(agent: AgentContext, workspace: Path) -> dict[str, Any]:
 
     litellm.suppress_debug_info = True  # else a provider list is printed per unpriced call
     row = dict(agent.input)
+    if not Path(row["mirror"]).is_absolute():
+        raise ValueError(f"task.options.mirror must be an absolute path, not {row['mirror']!r}")
     checkout = workspace / REPO
     if row.get("leaky"):
         leaky_checkout(Path(row["mirror"]), row["repo"], row["instance_id"], checkout)

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import sys
+import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -210,6 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in status(args.out):
             sys.stdout.write(line + "\n")
     except (UserError, DatasetError, ValueError) as error:
+        sys.stderr.write(f"swe.pipeline: {error}\n")
+        return 2
+    except (OSError, tarfile.TarError) as error:  # a folder not writable, a broken sdist
         sys.stderr.write(f"swe.pipeline: {error}\n")
         return 2
     return 0

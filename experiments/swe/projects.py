@@ -55,6 +55,18 @@ class Project:
         }
         return sorted(f for f in found if not self.is_test_file(f))
 
+    def modules(self, root: Path) -> list[str]:
+        """The top-level modules the project's sources make (what ``import`` names)."""
+        found = set()
+        for path in self.source_files(root):
+            for entry in self.pythonpath:
+                prefix = "" if entry in ("", ".") else entry.rstrip("/") + "/"
+                if path.startswith(prefix):
+                    first = path[len(prefix) :].split("/")[0]
+                    found.add(first.removesuffix(".py"))
+                    break
+        return sorted(found)
+
     def pytest_arguments(self, tests: Sequence[str] | None = None) -> list[str]:
         """pytest's arguments for ``tests`` (node ids), or for the whole suite."""
         return [*self.pytest_args, *(tests if tests is not None else self.tests)]

@@ -122,7 +122,15 @@ def serve_one(request: dict[str, Any]) -> dict[str, Any]:
     if not finished:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
+    # a child that closed its pipe and went on running is killed at the deadline too
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > started + float(request.get("timeout", 60)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            finished = False
+            break
+        time.sleep(0.01)
     answer: dict[str, Any] = {"outcomes": {}, "exit": None, "timed_out": not finished}
     if finished and data:
         # a child that died before reporting leaves no outcome: no test counts as passed

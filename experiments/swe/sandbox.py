@@ -21,29 +21,32 @@ in site-packages. ``sandboxed(argv, lockdown)`` runs ``argv``
   ``no_new_privs``, so the mounts cannot be undone; the interpreter and agl's code are
   read-only besides (without root, the command is the user who owns them);
 - with a **whitelisted environment** (``env -i``): no attempt key, no proxy address, no
-  ``PIP_*`` pointing at an index.
+  ``PIP_*`` pointing at an index;
+- with its own empty ``/var/tmp``, ``/dev/shm``, ``/run/lock`` and ``/dev/mqueue``: no
+  other attempt's leftovers (a concurrent rollout of the same task could leave its fix).
 
-Without root the namespaces are entered through a user namespace and the command stays
-the (mapped) invoking user. ``default_hidden()`` lists what this machine must hide.
+It needs root: without it the command would be the trainer's user, who owns what it must
+not change. This module says what to hide (``default_hidden``, ``installed_copies``) and
+how to run a command (``sandboxed``); ``experiments.swe.sandbox_entry`` is the
+namespace's first process, started isolated (``python -I``) so that nothing in the
+workspace is imported while it still holds every privilege.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import os
-import shutil
+import site
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
-from agl.backends.execution.confine import DROP_PRIVILEGES, cover, hide
+from experiments.swe.sandbox_entry import NOBODY
 
-NOBODY = 65534
-GIT_REFUSED = "git is disabled in this environment: work from the files as they are"
 # What a shell needs to work, and nothing that names a key, a proxy or an index.
 ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -78,7 +81,11 @@ class Lockdown:
         return json.dumps(
             {
                 "workspace": str(self.workspace.resolve()),
-                "hidden": [str(Path(p).absolute()) for p in self.hidden],
+                # a hidden link is hidden where it points, too
+                "hidden": sorted(
+                    {str(Path(p).absolute()) for p in self.hidden}
+                    | {str(Path(p).resolve()) for p in self.hidden}
+                ),
                 "home": str(self.home.resolve()) if self.home else None,
                 "kept": [str(p.resolve()) for p in (*_python_home(), *self.kept)],
                 "env": {
@@ -136,31 +143,32 @@ def _paths(value: str) -> list[Path]:
     return out
 
 
+SITE_FOLDERS = (
+    "/usr/lib/python3*/dist-packages",
+    "/usr/lib/python3*/site-packages",
+    "/usr/local/lib/python3*/dist-packages",
+    "/usr/local/lib/python3*/site-packages",
+)
+
+
 def installed_copies(modules: Iterable[str]) -> list[Path]:
-    """The installed files of the distributions that provide ``modules`` (a project the
-    task is made from may also be installed here: its site-packages copy is the fix):
-    their packages' folders, their modules and bytecode files, their dist-info."""
+    """Every installed copy of ``modules`` on this machine (a project the task is made
+    from may be installed too, by any interpreter: that copy is the fix): the package
+    folder or module file, its bytecode, its dist-info, in every site folder."""
+    folders = {Path(p) for p in site.getsitepackages()}
+    folders |= {Path(p) for pattern in SITE_FOLDERS for p in glob.glob(pattern)}
     found: set[Path] = set()
-    providers = metadata.packages_distributions()
-    for module in modules:
-        for dist in providers.get(module, []):
-            try:
-                files = metadata.distribution(dist).files or []
-            except metadata.PackageNotFoundError:
-                continue
-            for f in files:
-                parts = Path(str(f)).parts
-                if not parts or ".." in parts:
-                    continue  # scripts in bin/: not the source
-                located = Path(str(f.locate()))
-                base = located.parents[len(parts) - 1]
-                # a package's or dist-info's folder whole; a top-level module file by file
-                # (site-packages' shared __pycache__ holds others' bytecode too)
-                top = parts[0]
-                if len(parts) > 1 and top != "__pycache__":
-                    found.add(base / top)
-                else:
-                    found.add(located)
+    for folder in folders:
+        for module in modules:
+            for pattern in (
+                module,
+                f"{module}.py",
+                f"{module}.*.so",
+                f"{module}-*.dist-info",
+                f"{module}-*.egg-info",
+                f"__pycache__/{module}.*.pyc",
+            ):
+                found.update(folder.glob(pattern))
     return sorted(found)
 
 
@@ -174,116 +182,37 @@ def default_hidden() -> tuple[Path, ...]:
     return tuple(sorted(p for p in hidden if not any(k == p or p in k.parents for k in keep)))
 
 
+class SandboxUnavailable(RuntimeError):
+    """This machine cannot run the sandbox (not root, or no namespaces)."""
+
+
+ROOT = Path(__file__).resolve().parents[2]  # the folder experiments/ and agl/ are in
+_ENTRY = (
+    "import sys; sys.path.insert(0, {root!r}); "
+    "from experiments.swe.sandbox_entry import main; main(sys.argv[1:])"
+)
+
+
 def sandboxed(argv: Sequence[str], lockdown: Lockdown) -> list[str]:
-    """``argv`` run in the sandbox ``lockdown`` describes."""
-    # The sandbox's first process gets a clean environment too: a command could read
-    # its /proc/1/environ where it runs as the same user (without root).
-    root = Path(__file__).resolve().parents[2]
-    prefix = ["env", "-i", "PATH=/usr/bin:/bin", f"PYTHONPATH={root}", "unshare"]
+    """``argv`` run in the sandbox ``lockdown`` describes; ``SandboxUnavailable``
+    without root."""
     if os.geteuid() != 0:
-        prefix += ["--user", "--map-root-user"]
-    prefix += ["--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
-    prefix += ["--propagation", "private"]
+        raise SandboxUnavailable(
+            "the coding task's sandbox needs root (it runs each command as nobody)"
+        )
+    # A clean environment for the namespace's first process too, and -I: neither the
+    # workspace it starts in nor PYTHON* variables reach its sys.path.
+    prefix = ["env", "-i", "PATH=/usr/bin:/bin", "unshare", "--mount", "--pid", "--fork"]
+    prefix += ["--kill-child", "--mount-proc", "--propagation", "private"]
     if not lockdown.network:
         prefix.append("--net")
-    return [*prefix, sys.executable, "-m", __name__, lockdown.spec(), "--", *argv]
+    entry = _ENTRY.format(root=str(ROOT))
+    return [*prefix, sys.executable, "-I", "-c", entry, lockdown.spec(), "--", *argv]
 
 
 def prepare_workspace(workspace: Path) -> None:
-    """The workspace made the sandbox user's (when run as root): it may write there, and
-    only there."""
-    if os.geteuid() != 0:
-        return
+    """The workspace made the sandbox user's: it may write there, and only there."""
     for folder, dirs, files in os.walk(workspace):
         os.chown(folder, NOBODY, NOBODY)
         for name in dirs + files:
             os.lchown(os.path.join(folder, name), NOBODY, NOBODY)
-
-
-def _read_only(path: str) -> None:
-    """``path`` (the interpreter, agl's code) read-only in the sandbox: without root the
-    command runs as the user who owns a user's venv, and could rewrite the pytest that
-    reports its outcomes."""
-    subprocess.run(["mount", "--bind", path, path], check=True, stdin=subprocess.DEVNULL)
-    subprocess.run(["mount", "-o", "remount,bind,ro", path], check=True, stdin=subprocess.DEVNULL)
-
-
-def _seal(path: str, is_dir: bool) -> None:
-    """An empty folder or file no one may open, where a covered one was."""
-    parent = os.path.dirname(path)
-    missing = []
-    while not os.path.lexists(parent):
-        missing.append(parent)
-        parent = os.path.dirname(parent)
-    for folder in reversed(missing):
-        os.mkdir(folder, 0o711)
-    if is_dir:
-        os.mkdir(path, 0o000)
-    else:
-        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o000))
-
-
-def _cover_file(path: str) -> None:
-    subprocess.run(["mount", "--bind", "/dev/null", path], check=True, stdin=subprocess.DEVNULL)
-
-
-def _private_tmp(kept: Sequence[str]) -> None:
-    """A fresh, empty /tmp (others' scratch copies and sockets out of sight); the
-    ``kept`` folders inside it (the workspace) are bound back in place."""
-    inside = [k for k in kept if os.path.commonpath(["/tmp", k]) == "/tmp" and k != "/tmp"]
-    cover("/tmp", inside, 0o1777)
-
-
-def _block_git() -> None:
-    git = shutil.which("git", path=ENV["PATH"])
-    if git is None:
-        return
-    stub_dir = "/dev/shm" if os.path.isdir("/dev/shm") else "/run"
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k,mode=755", "agl-git", stub_dir], check=True
-    )
-    stub = os.path.join(stub_dir, "git")
-    with open(stub, "w") as f:
-        f.write(f"#!/bin/sh\necho '{GIT_REFUSED}' >&2\nexit 128\n")
-    os.chmod(stub, 0o555)
-    subprocess.run(["mount", "--bind", stub, os.path.realpath(git)], check=True)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 3 or args[1] != "--":
-        sys.exit("usage: python -m experiments.swe.sandbox SPEC -- COMMAND ...")
-    spec, command = json.loads(args[0]), args[2:]
-    workspace = spec["workspace"]
-    # what each hidden path was before /tmp and the home were covered: one under them is
-    # put back sealed, so that a command reaching for it is refused, not left guessing
-    kinds = {p: os.path.isdir(p) and not os.path.islink(p) for p in spec["hidden"]}
-    kinds = {p: d for p, d in kinds.items() if d or os.path.isfile(p)}
-    try:
-        _private_tmp([workspace, *spec["kept"]])
-        if spec["home"]:
-            hide(spec["home"], [workspace, *spec["kept"]])
-        for path in spec["kept"]:  # before the covers: a bind made after would lift them
-            _read_only(path)
-        for path, is_dir in kinds.items():
-            if not os.path.lexists(path):
-                _seal(path, is_dir)
-            elif is_dir and os.path.isdir(path):
-                hide(path, [workspace])
-            elif os.path.isfile(path):
-                _cover_file(path)
-        if spec["block_git"]:
-            _block_git()
-    except (OSError, subprocess.CalledProcessError) as error:
-        sys.exit(f"agl sandbox: cannot set up: {error}")
-    env = [f"{k}={v}" for k, v in spec["env"].items()]
-    user = []
-    if os.geteuid() == 0 and os.stat(workspace).st_uid == NOBODY:
-        user = [f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-    os.chdir(workspace)
-    done = subprocess.run(["setpriv", *user, *DROP_PRIVILEGES, "--", "env", "-i", *env, *command])
-    sys.exit(128 - done.returncode if done.returncode < 0 else done.returncode)
-
-
-if __name__ == "__main__":
-    main()

@@ -61,7 +61,9 @@ def by_difficulty(
             removed.append(Removed(item.instance_id, f"{TOO_FEW_ROLLOUTS}: {got} of {k}"))
         elif tally.solved >= tally.rollouts:
             always += 1
-            removed.append(Removed(item.instance_id, f"{ALWAYS_SOLVED}: {tally.solved}/{k}"))
+            removed.append(
+                Removed(item.instance_id, f"{ALWAYS_SOLVED}: {tally.solved}/{tally.rollouts}")
+            )
         elif tally.solved == 0:
             never.append(item)
         else:

@@ -90,7 +90,14 @@ def run_stage(
 
 def summary_line(folder: Path) -> str:
     """One line from a stage's report: read, kept, removed by reason."""
-    report = json.loads((folder / REPORT).read_text())
+    try:
+        report = json.loads((folder / REPORT).read_text())
+        return _summary(report)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{folder.name}: an unreadable report ({folder / REPORT})"
+
+
+def _summary(report: dict[str, Any]) -> str:
     removed = ", ".join(f"{n} {kind}" for kind, n in sorted(report["removed"].items()))
     return f"{report['stage']}: {report['read']} read, {report['kept']} kept" + (
         f"; removed {removed}" if removed else ""

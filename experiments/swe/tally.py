@@ -58,8 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with Path(args[0]).open() as lines:
             result = tallies(lines)
-    except OSError as error:
-        sys.stderr.write(f"swe.tally: cannot read {args[0]}: {error.strerror}\n")
+    except (OSError, UnicodeDecodeError) as error:
+        sys.stderr.write(f"swe.tally: cannot read {args[0]}: {error}\n")
         return 2
     except UserError as error:
         sys.stderr.write(f"swe.tally: {args[0]}: {error}\n")

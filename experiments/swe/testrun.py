@@ -10,8 +10,13 @@ never collected) has not passed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import select
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -24,6 +29,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _BOOT = "from experiments.swe.pytest_server import main; main()"
+_MODULE = "agl_pytest_server.py"  # the copy's name: nothing a project would call a module
+_BOOT_COPY = "from agl_pytest_server import main; main()"
+# Past the run's own timeout, how long the server may take to answer before it is killed.
+ANSWER_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -81,12 +90,25 @@ def verdict(run: SuiteRun, fail_to_pass: Sequence[str], pass_to_pass: Sequence[s
 class PytestServer:
     """A warm pytest process; ``run`` is one forked test run in a folder."""
 
-    def __init__(self, prefix: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        prefix: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        boot_dir: Path | None = None,
+    ) -> None:
+        """``prefix``: what the server runs under (the sandbox's command); ``boot_dir``: a
+        folder to run it from, given a copy of its module alone (the sandbox keeps that
+        folder in sight and agl's checkout out of it); None: from agl's checkout."""
+        if boot_dir is None:
+            root = str(Path(__file__).resolve().parents[2])  # experiments' parent
+            boot = f"import sys; sys.path.insert(0, {root!r}); {_BOOT}"
+        else:
+            shutil.copyfile(Path(__file__).with_name("pytest_server.py"), boot_dir / _MODULE)
+            os.chmod(boot_dir / _MODULE, 0o644)
+            boot = f"import sys; sys.path.insert(0, {str(boot_dir)!r}); {_BOOT_COPY}"
         # Isolated (-I): neither the folder it starts in (the repository, in the sandbox)
         # nor PYTHON* variables reach its sys.path, so a sitecustomize.py or a pytest.py
         # the agent left there is never imported by the process that reports outcomes.
-        root = str(Path(__file__).resolve().parents[2])  # experiments' parent
-        boot = f"import sys; sys.path.insert(0, {root!r}); {_BOOT}"
         self._command = [*prefix, sys.executable, "-I", "-c", boot]
         self._env = dict(env) if env is not None else None
         self._process: subprocess.Popen[str] | None = None
@@ -106,6 +128,7 @@ class PytestServer:
             text=True,
             env=env,
             cwd="/",
+            start_new_session=True,  # its group is killed as one
         )
 
     def run(
@@ -130,11 +153,20 @@ class PytestServer:
                 try:
                     self._process.stdin.write(json.dumps(request) + "\n")
                     self._process.stdin.flush()
-                    line = self._process.stdout.readline()
-                except (BrokenPipeError, OSError):
+                    ready, _, _ = select.select(
+                        [self._process.stdout], [], [], timeout + ANSWER_GRACE_S
+                    )
+                    line = self._process.stdout.readline() if ready else None
+                except (BrokenPipeError, OSError, ValueError):
                     line = ""
-                if line:
-                    answer = json.loads(line)
+                if line is None:  # a run that would not end, nor let its server answer
+                    self._kill()
+                    return SuiteRun(outcomes={}, timed_out=True, output="no answer in time")
+                try:
+                    answer = json.loads(line) if line else None
+                except ValueError:
+                    answer = None
+                if isinstance(answer, dict):
                     return SuiteRun(
                         outcomes=answer.get("outcomes") or {},
                         messages=answer.get("messages") or {},
@@ -146,6 +178,13 @@ class PytestServer:
                 log.warning("the pytest server died (attempt %d); starting it again", attempt + 1)
                 self.close()
         return SuiteRun(outcomes={}, output="the pytest server died twice on this run")
+
+    def _kill(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
     def close(self) -> None:
         process, self._process = self._process, None
