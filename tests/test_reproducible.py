@@ -5,8 +5,8 @@ So a second run of the session's short run samples the same tokens in every call
 the same rewards and logs the same metrics, though its requests raced each other in
 another order. Timings (time/*, train/train_s, throughput/*, inference/busy_s) vary, and
 logprobs may differ in their last bits where a batch held other rows (the engine's batching is
-numerically, not bitwise, invisible: 2e-5 measured), so logprobs and metrics are
-compared to 1e-4."""
+numerically, not bitwise, invisible: 2e-5 measured on one machine, 1.1e-4 on CI's), so
+logprobs are compared to 1e-3 and metrics to 1e-4 (they average over many tokens)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_the_same_seed_samples_the_same_tokens_in_every_call(twice: tuple[Path, 
         assert [c["response_ids"] for c in calls] == [c["response_ids"] for c in again], attempt
         assert [c["seed"] for c in calls] == [c["seed"] for c in again]
         for a, b in zip(calls, again, strict=True):
-            assert a["logprobs"] == pytest.approx(b["logprobs"], rel=1e-4, abs=1e-4)
+            assert a["logprobs"] == pytest.approx(b["logprobs"], rel=1e-3, abs=1e-3)
 
 
 def test_every_call_is_sampled_under_its_own_seed(twice: tuple[Path, Path]) -> None:

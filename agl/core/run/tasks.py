@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agl.core.run.datasets import DatasetStream, map_columns, read_rows
+from agl.core.run.warmup_pins import WarmupPin
 
 
 def load_callable(spec: str, root: Path | None = None) -> Callable[..., Any]:
@@ -50,6 +51,11 @@ class TaskConfig:
     data_seed: int | None = None  # the shuffle's seed; null: the run's seed
     epochs: int | None = None  # passes over the train files a run may take; null: no limit
     warmup: str | None = None
+    # A folder of pinned warm-ups (agl/core/run/warmup_pins.py): a seed's warmed weights
+    # are read from there when it has them, made and kept there when it does not. A study
+    # commits them, so every machine starts a seed from the same weights. Relative to the
+    # repository's root.
+    warmup_pins: str | None = None
     # Rewards from what the agent left, posted by the controller (agl/grading.py).
     grader: str | None = None
     warmup_options: dict[str, Any] = field(default_factory=dict)
@@ -161,22 +167,29 @@ class Task:
     def warm_up(
         self, model: Any, tokenizer: Any, cache_dir: Path | None = None, model_key: str = ""
     ) -> Mapping[str, float] | None:
-        """Run the task's warm-up on ``model`` in place. With ``cache_dir``, the warmed
-        weights are kept there, keyed by ``model_key`` (which model, which seed), the
-        warm-up's options and its source, so sweeps and tests warm up once."""
+        """Run the task's warm-up on ``model`` in place. With ``task.warmup_pins``, a
+        seed's pinned weights are loaded instead (and pinned when missing). Otherwise, with
+        ``cache_dir``, the warmed weights are kept there, keyed by ``model_key`` (which
+        model, which seed), the warm-up's options and its source, so sweeps and tests warm
+        up once."""
         if self._warmup is None:
             return None
         options = {**self.config.options, **self.config.warmup_options}
         options.setdefault("seed", self.seed)
+        if self.config.warmup_pins is not None:
+            pin = WarmupPin.of(
+                self.root / self.config.warmup_pins, model_key, self.config.warmup, options
+            )
+            return pin.load_or_make(
+                model, lambda: self._warmup(model, tokenizer, **options), self._warmup_source()
+            )
         if cache_dir is None:
             return self._warmup(model, tokenizer, **options)
         import torch
 
-        # The warm-up's whole folder: it may use the harness's messages.
-        folder = Path(inspect.getfile(self._warmup)).parent
-        source = b"".join(p.read_bytes() for p in sorted(folder.glob("*.py")))
         key = hashlib.sha256(
-            json.dumps([model_key, self.config.warmup, options], sort_keys=True).encode() + source
+            json.dumps([model_key, self.config.warmup, options], sort_keys=True).encode()
+            + self._warmup_source()
         ).hexdigest()[:16]
         path = cache_dir / f"{self.config.name}-{key}.pt"
         if path.exists():
@@ -188,6 +201,12 @@ class Task:
         torch.save(model.state_dict(), partial)
         partial.replace(path)
         return metrics
+
+    def _warmup_source(self) -> bytes:
+        """The warm-up's whole folder: it may use the harness's messages."""
+        assert self._warmup is not None
+        folder = Path(inspect.getfile(self._warmup)).parent
+        return b"".join(p.read_bytes() for p in sorted(folder.glob("*.py")))
 
     def _with_sampling(self, data: Any, sampling: dict[str, Any] | None = None) -> Any:
         if isinstance(data, dict):
