@@ -47,7 +47,7 @@ class ControllerConfig:
     egress_allow: str = ""  # comma-separated CIDRs agents may reach besides the gateway
     # local
     harness: str = ""  # module:function | command:...
-    grader: str = ""  # module:function posting each attempt's reward (agl/grading.py)
+    grader: str = ""  # module:function posting each attempt's reward (agl/grading/)
     workers: int = 2
     concurrency: int = 64
     run_dir: str = "runs/controller"

@@ -1,4 +1,4 @@
-"""Rewards posted by the controller's side (agl/grading.py, issue 18): a graded task's
+"""Rewards posted by the controller's side (agl/grading/, issue 18): a graded task's
 harness holds no report key and sees only its own workspace; the grader's verdict on that
 workspace is the reward, whatever the agent tries."""
 

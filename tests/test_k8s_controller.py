@@ -33,9 +33,10 @@ from agl.backends.execution.k8s.executor import DELETED, K8sExecutor
 from agl.backends.execution.k8s.naming import ATTEMPT, INSTANCE, MANAGED_BY, ROLLOUT_ID, job_name
 from agl.core.client import AsyncGatewayClient, GatewayClient
 from agl.core.contracts.execution import LOST, NO_STATUS
-from agl.core.contracts.failures import failure_cause, is_final
+from agl.core.contracts.failures import Cause, failure_cause, is_final
 from agl.core.contracts.records import Status
 from agl.core.controller.reconcile import Controller
+from agl.grading import GRADE_EVENT
 from agl.testing.faults import TcpProxy
 from agl.testing.k8s.api_server import ApiServer
 from agl.testing.k8s.node import NodeSimulator
@@ -293,6 +294,55 @@ def test_the_key_lives_in_a_secret_only(
     (secret,) = captured["secrets"]
     assert base64.b64decode(secret["data"]["api-key"]).decode() == key
     assert base64.b64decode(secret["data"]["report-key"]).decode() == report_key
+
+
+def test_a_graded_task_is_graded_in_its_job_by_the_grader_alone(
+    cluster: ApiServer, namespace: str, gateway: GatewayProcess, node: NodeSimulator
+) -> None:
+    """A graded task's Job runs the harness (init container: the model key, no report
+    key, the workspace), then the grader (the report key, the workspace the harness
+    left): the grader's verdict is the reward; what the harness forges with its model key
+    is refused; a harness that fails is not graded; a grader that raises is the agent's
+    failure, posted from the Job."""
+    inputs = {
+        "right": {"report": "graded", "write": "42", "answer": "42"},
+        "wrong": {"report": "graded", "write": "41", "answer": "42"},
+        "crash": {"report": "exit", "code": 3},
+        "raises": {"report": "graded", "write": "42", "answer": "42", "raise": True},
+    }
+
+    async def main() -> tuple[dict, dict, dict]:
+        ex = executor(
+            cluster,
+            namespace,
+            gateway,
+            template=template(AGENT, workingDir=str(REPO)),
+            grader="tests.k8s_agent:grade",
+            grading={"command": [sys.executable, "-m", "agl.grading"]},
+        )
+        async with controlling(gateway, ex) as (_, client):
+            await client.create_rollouts(rollout_specs(inputs, max_attempts=2, timeout_s=60))
+            rollouts = await finished(client, list(inputs))
+            rewards = {r: await client.get_events(r, type="reward") for r in inputs}
+            grades = {r: await client.get_events(r, type=GRADE_EVENT) for r in inputs}
+        return rollouts, rewards, grades
+
+    rollouts, rewards, grades = asyncio.run(main())
+    assert rollouts["right"].status is rollouts["wrong"].status is Status.SUCCEEDED
+    assert [e.data["value"] for e in rewards["right"]] == [1.0]
+    assert [e.data["value"] for e in rewards["wrong"]] == [0.0]
+    # The harness's forged reward was refused, and it never saw a report key.
+    assert [e.data for e in grades["right"]] == [
+        {"answer": "42", "forged": 403, "report_key_seen": False}
+    ]
+    crash, raises = rollouts["crash"], rollouts["raises"]
+    assert crash.status is Status.FAILED and "BackoffLimitExceeded" in (crash.error or "")
+    assert rewards["crash"] == grades["crash"] == []
+    assert raises.status is Status.FAILED and raises.attempt == 1
+    assert (raises.error or "").startswith("grader raised: ValueError: the grader cannot")
+    assert failure_cause(raises.status, raises.error, False) is Cause.GRADER
+    assert rewards["raises"] == []
+    assert len(node.started) == len(set(node.started)) == 4  # nothing retried
 
 
 # -- restarts and faults ----------------------------------------------------------------

@@ -11,18 +11,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agl.backends.execution.k8s.config import EgressConfig, K8sExecutorConfig
+from agl.backends.execution.k8s.config import EgressConfig, GradingConfig, K8sExecutorConfig
 from agl.backends.execution.k8s.job_state import job_outcome
 from agl.backends.execution.k8s.manifests import (
     KEY_ENV,
     REPORT_ENV,
     egress_policy,
+    job_manifest,
     load_template,
     own_job,
     render_job,
 )
 from agl.backends.execution.k8s.naming import job_name, rollout_label
 from agl.backends.execution.k8s.pacing import TokenBucket
+from agl.core.contracts.execution import Launch
 
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 LABEL_VALUE = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
@@ -128,6 +130,74 @@ def test_the_controller_owns_its_fields_over_the_template() -> None:
     assert by_name["OPENAI_BASE_URL"]["value"] == "http://gw/x"
     assert "sk-attempt" not in str(job) and "leaked" not in str(job)
     assert len(container["env"]) == len(by_name)
+
+
+def _graded(template: str = TEMPLATE, **grading: object) -> dict:
+    env = {"OPENAI_API_KEY": "sk-attempt", "AGL_INPUT": '{"n": 7}', "AGL_ROLLOUT_ID": "r"}
+    return job_manifest(
+        template,
+        "agl-r-1",
+        Launch("r", 1, 30.0, env, report_key="rk-attempt"),
+        namespace="ns",
+        labels={},
+        default_deadline_s=3600,
+        ttl_after_finished_s=600,
+        grader="tests.grading:grade",
+        grading=GradingConfig(**grading),  # type: ignore[arg-type]
+    )
+
+
+def _secrets(container: dict) -> set[str]:
+    return {e["name"] for e in container["env"] if "valueFrom" in e}
+
+
+def test_a_graded_job_runs_the_harness_then_the_grader_each_with_its_key_alone() -> None:
+    job = _graded()
+    pod = job["spec"]["template"]["spec"]
+    (harness,) = pod["initContainers"]
+    (grader,) = pod["containers"]
+    # The harness holds the model key, the grader the report key; neither holds both.
+    assert _secrets(harness) == {KEY_ENV} and _secrets(grader) == {REPORT_ENV}
+    harness_env = {e["name"]: e.get("value") for e in harness["env"]}
+    grader_env = {e["name"]: e.get("value") for e in grader["env"]}
+    assert harness_env["AGL_GRADED"] == "1" and harness_env["AGL_WORKSPACE"] == "/agl/workspace"
+    assert grader_env["AGL_WORKSPACE"] == "/agl/workspace"
+    assert grader_env["AGL_GRADE_TIMEOUT_S"] == "30" and grader_env["KEEP"] == "1"
+    assert harness["command"][-1] == "print(7)"
+    assert grader["command"] == ["python", "-m", "agl.grading", "tests.grading:grade"]
+    assert grader["image"] == harness["image"] and grader["name"] == "grader"
+    # One emptyDir, written by the harness, read-only for the grader.
+    assert pod["volumes"] == [{"name": "agl-workspace", "emptyDir": {}}]
+    assert harness["volumeMounts"] == [{"name": "agl-workspace", "mountPath": "/agl/workspace"}]
+    assert grader["volumeMounts"] == [
+        {"name": "agl-workspace", "mountPath": "/agl/workspace", "readOnly": True}
+    ]
+    # The grader gets the attempt's time anew, after the harness: the Job twice it.
+    assert job["spec"]["activeDeadlineSeconds"] == 60
+    assert "sk-attempt" not in str(job) and "rk-attempt" not in str(job)
+
+
+def test_the_grader_keeps_the_harness_mounts_and_gets_its_own() -> None:
+    template = TEMPLATE.replace(
+        "          env:\n",
+        "          volumeMounts: [{name: data, mountPath: /data}]\n"
+        "          securityContext: {runAsUser: 1000}\n"
+        "          env:\n",
+    )
+    tests = {"name": "tests", "mountPath": "/tests", "readOnly": True}
+    job = _graded(template, image="grader:1", mounts=[tests], workspace="/w")
+    pod = job["spec"]["template"]["spec"]
+    (harness,), (grader,) = pod["initContainers"], pod["containers"]
+    assert [m["name"] for m in harness["volumeMounts"]] == ["data", "agl-workspace"]
+    assert [m["name"] for m in grader["volumeMounts"]] == ["data", "agl-workspace", "tests"]
+    assert grader["securityContext"] == {"runAsUser": 1000} and grader["image"] == "grader:1"
+    assert harness["image"] == "agl:test"
+
+
+def test_a_graded_template_with_two_containers_is_refused() -> None:
+    two = TEMPLATE + "        - {name: sidecar, image: s, command: [sleep, '1']}\n"
+    with pytest.raises(ValueError, match="one container, its harness"):
+        _graded(two)
 
 
 def test_templates_come_from_a_file_inline_text_or_a_mapping(tmp_path: Path) -> None:

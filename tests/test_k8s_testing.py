@@ -209,6 +209,46 @@ def test_nonzero_exit_fails_the_job(cluster: Cluster, node: Callable[..., NodeSi
     assert job.status.conditions[1].message == BACKOFF_LIMIT_EXCEEDED.message
 
 
+def _staged(name: str, first: str, then: str) -> dict[str, Any]:
+    """A Job whose init container runs ``first`` and then its container ``then``, both
+    with an emptyDir at /shared (as $SHARED) and ``then`` working in it."""
+    job = job_manifest(name, then, [{"name": "SHARED", "value": "/shared"}])
+    pod = job["spec"]["template"]["spec"]
+    mount = {"name": "shared", "mountPath": "/shared"}
+    pod["containers"][0].update(volumeMounts=[mount], workingDir="/shared")
+    pod["initContainers"] = [
+        {
+            "name": "first",
+            "image": "none",
+            "command": ["sh", "-c", first],
+            "env": [{"name": "SHARED", "value": "/shared/"}],
+            "volumeMounts": [mount],
+        }
+    ]
+    pod["volumes"] = [{"name": "shared", "emptyDir": {}}]
+    return job
+
+
+def test_init_containers_run_first_and_share_an_empty_dir(
+    cluster: Cluster, node: Callable[..., NodeSimulator], tmp_path: Path
+) -> None:
+    simulator = node()
+    cluster.create(_staged("staged", "echo left > ${SHARED}note", "echo read=$(cat note)"))
+    assert cluster.wait_terminal("staged") == ("Complete", "CompletionsReached")
+    assert "read=left" in (tmp_path / "logs" / "staged.log").read_text()
+    assert simulator.started == ["staged"]  # one pod, started once
+    assert not (tmp_path / "logs" / "staged.volumes").exists()  # gone with the pod
+
+
+def test_a_failed_init_container_fails_the_pod_and_nothing_runs_after_it(
+    cluster: Cluster, node: Callable[..., NodeSimulator], tmp_path: Path
+) -> None:
+    node()
+    cluster.create(_staged("halted", "exit 4", "echo ran-after"))
+    assert cluster.wait_terminal("halted") == ("Failed", BACKOFF_LIMIT_EXCEEDED.reason)
+    assert "ran-after" not in (tmp_path / "logs" / "halted.log").read_text()
+
+
 def test_secret_key_ref_waits_for_the_secret(
     cluster: Cluster, node: Callable[..., NodeSimulator], tmp_path: Path, secrets_served: None
 ) -> None:

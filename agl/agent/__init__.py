@@ -65,7 +65,7 @@ ENV_INPUT = "AGL_INPUT"
 # command harness; read once, then closed) or a variable that agl.agent removes at start.
 ENV_REPORT_FD = "AGL_REPORT_FD"
 ENV_REPORT_KEY = "AGL_REPORT_KEY"
-# A task with a grader (agl/grading.py): the attempt's own folder, and "1" to say that the
+# A task with a grader (agl/grading/): the attempt's own folder, and "1" to say that the
 # grader, not the harness, reports (the harness holds no report key).
 ENV_WORKSPACE = "AGL_WORKSPACE"
 ENV_GRADED = "AGL_GRADED"
@@ -145,7 +145,7 @@ class AgentContext:
     # The report key (events, the attempt's end); the model key where none is held, which
     # the gateway refuses for reporting.
     report_key: str = ""
-    # The task's grader reports this attempt (agl/grading.py): ``finish`` posts nothing.
+    # The task's grader reports this attempt (agl/grading/): ``finish`` posts nothing.
     graded: bool = False
 
     @property

@@ -23,15 +23,10 @@ def make_executor(
 ) -> Executor:
     """The executor ``kind`` names, ``settings`` being fields of its config; ValueError
     (one line) when they are wrong or the ``k8s`` extra is not installed. ``grader``: the
-    task's (agl/grading.py), local only."""
+    task's (agl/grading/)."""
     # Imported here: the Kubernetes client is an optional extra.
     try:
         if kind == "k8s":
-            if grader:
-                raise ValueError(
-                    "a task with a grader runs on the local controller only (a Job's "
-                    "workspace lives in its pod)"
-                )
             try:
                 from agl.backends.execution.k8s.config import K8sExecutorConfig
                 from agl.backends.execution.k8s.executor import K8sExecutor
@@ -39,7 +34,9 @@ def make_executor(
                 raise ValueError(
                     f"the k8s executor needs: pip install 'agl[k8s]' (no module {error.name!r})"
                 ) from None
-            config = K8sExecutorConfig(agent_gateway_url=agent_gateway_url, **settings)
+            config = K8sExecutorConfig(
+                agent_gateway_url=agent_gateway_url, grader=grader, **settings
+            )
             return K8sExecutor(config, base_dir=base_dir)
         if kind == "local":
             from agl.backends.execution.local.config import LocalExecutorConfig

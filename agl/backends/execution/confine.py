@@ -9,7 +9,7 @@ sets any reward. ``confined(command, hidden)`` wraps an agent's command so that 
   agent's own processes, so no other process's environment, memory or namespaces;
 - in its own **mount namespace**, each ``hidden`` folder (the run folder) under an empty
   tmpfs no one may enter, except the ``kept`` folders inside it (an attempt's own
-  workspace, agl/grading.py), mounted back where they were: the tmpfs and the folders
+  workspace, agl/grading/), mounted back where they were: the tmpfs and the folders
   on the way may then be passed through but not listed;
 - with **every capability dropped** and ``no_new_privs`` (``setpriv``): even uid 0 cannot
   unmount the tmpfs, mount anything, trace a process or regain a privilege through a

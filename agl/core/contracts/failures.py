@@ -25,7 +25,7 @@ class Cause(StrEnum):
     HARNESS_ERROR = "harness_error"  # the harness raised or exited non-zero
     NO_REWARD = "no_reward"  # it ended without reporting a reward (or a status)
     TIMEOUT = "timeout"  # the attempt ran past its deadline
-    # The task's grader raised on what the agent left (agl/grading.py): the agent's, so
+    # The task's grader raised on what the agent left (agl/grading/): the agent's, so
     # that breaking what the grader reads never escapes a zero.
     GRADER = "grader"
     EXECUTOR = "executor"  # the worker / pod running it died, was lost or stopped
@@ -51,7 +51,7 @@ _EXECUTOR_PREFIXES = (
     "controller stopped",  # controller.STOPPED
     "interrupted:",  # the trainer restarted
 )
-GRADER_RAISED = "grader raised"  # how agl/grading.py's attempts fail when their grader raises
+GRADER_RAISED = "grader raised"  # how agl/grading/'s attempts fail when their grader raises
 _TIMEOUT_PREFIXES = ("timed out after", "attempt timed out", "Job failed (DeadlineExceeded)")
 _NO_STATUS = "agent exited without reporting a status"
 # Exceptions a harness raises when the gateway is not there to answer (openai, httpx).

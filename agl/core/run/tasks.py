@@ -56,7 +56,7 @@ class TaskConfig:
     # commits them, so every machine starts a seed from the same weights. Relative to the
     # repository's root.
     warmup_pins: str | None = None
-    # Rewards from what the agent left, posted by the controller (agl/grading.py).
+    # Rewards from what the agent left, posted by the controller (agl/grading/).
     grader: str | None = None
     warmup_options: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
@@ -172,7 +172,8 @@ class Task:
         ``cache_dir``, the warmed weights are kept there, keyed by ``model_key`` (which
         model, which seed), the warm-up's options and its source, so sweeps and tests warm
         up once."""
-        if self._warmup is None:
+        warmup = self._warmup
+        if warmup is None:
             return None
         options = {**self.config.options, **self.config.warmup_options}
         options.setdefault("seed", self.seed)
@@ -181,10 +182,10 @@ class Task:
                 self.root / self.config.warmup_pins, model_key, self.config.warmup, options
             )
             return pin.load_or_make(
-                model, lambda: self._warmup(model, tokenizer, **options), self._warmup_source()
+                model, lambda: warmup(model, tokenizer, **options), self._warmup_source()
             )
         if cache_dir is None:
-            return self._warmup(model, tokenizer, **options)
+            return warmup(model, tokenizer, **options)
         import torch
 
         key = hashlib.sha256(
@@ -195,7 +196,7 @@ class Task:
         if path.exists():
             model.load_state_dict(torch.load(path, map_location="cpu"))
             return {"cached": 1.0}
-        metrics = self._warmup(model, tokenizer, **options)
+        metrics = warmup(model, tokenizer, **options)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
         torch.save(model.state_dict(), partial)

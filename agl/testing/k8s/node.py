@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import subprocess
 import threading
 import time
@@ -59,6 +60,7 @@ class _Pod:
 
     job: Manifest
     process: subprocess.Popen[bytes] | None = None
+    stage: int = 0  # which of ``containers(job)`` runs or runs next
 
     @property
     def uid(self) -> str:
@@ -68,16 +70,27 @@ class _Pod:
     def name(self) -> str:
         return job_name(self.job)
 
+    @property
+    def containers(self) -> list[Manifest]:
+        """What runs, in order: the init containers, then the first container."""
+        spec = self.job["spec"]["template"]["spec"]
+        return [*(spec.get("initContainers") or []), spec["containers"][0]]
+
 
 class NodeSimulator:
     """The Job controller and the kubelet, for an API server that has neither.
 
     Each new Job (matching ``label_selector`` in ``namespace``) gets ``startTime`` and
     ``active: 1`` at once; then, unless ``start(job)`` says no (a node that never starts
-    it), its pod runs: the first container's ``command + args`` as a local process with the
-    test's environment (less ``AGL_ADMIN_TOKEN``) plus the container's ``env`` (literal
-    values and ``secretKeyRef`` read from the API server, retried every 0.2 s while missing,
-    as the kubelet does), in ``workingDir``, output to ``log_dir/<job>.log``. With
+    it), its pod runs: each init container, then the first container, one after the other
+    while each exits 0, its ``command + args`` as a local process with the test's
+    environment (less ``AGL_ADMIN_TOKEN``) plus the container's ``env`` (literal values and
+    ``secretKeyRef`` read from the API server, retried every 0.2 s while missing, as the
+    kubelet does), in ``workingDir``, output to ``log_dir/<job>.log``. An ``emptyDir``
+    volume is a folder of the pod's (``log_dir/<job>.volumes/<name>``, removed with the
+    pod); with no mount namespaces here, a container's ``mountPath`` of one is rewritten
+    to that folder in its ``workingDir`` and ``env`` values (``readOnly`` is not
+    enforced), and no other volume kind is mounted. With
     ``outcome`` no process runs: after ``outcome(job)[0]`` seconds the Job succeeds or fails
     as ``outcome(job)[1]`` says. Exit 0 completes the Job; anything else fails it at once
     (as with ``backoffLimit: 0``); ``activeDeadlineSeconds``, counted from ``startTime``,
@@ -306,12 +319,18 @@ class NodeSimulator:
         for pod in list(self._pods.values()):
             if pod.process is not None and (code := pod.process.poll()) is not None:
                 log.info("node: Job %s's process exited with %d", pod.name, code)
-                self._finish(pod, None if code == 0 else BACKOFF_LIMIT_EXCEEDED)
+                if code == 0 and pod.stage + 1 < len(pod.containers):
+                    kill_group(pod.process)  # a container's leftovers end with it
+                    pod.process, pod.stage = None, pod.stage + 1
+                    self._launch(pod)
+                else:
+                    self._finish(pod, None if code == 0 else BACKOFF_LIMIT_EXCEEDED)
 
     def _launch(self, pod: _Pod) -> None:
         assert self._log_dir is not None
-        container: Manifest = pod.job["spec"]["template"]["spec"]["containers"][0]
-        env = self._environment(container)
+        container = pod.containers[pod.stage]
+        mounts = self._mounts(pod, container)
+        env = self._environment(container, mounts)
         if env is None:
             self._at(self.SECRET_RETRY_S, "launch", pod.uid)
             return
@@ -320,25 +339,43 @@ class NodeSimulator:
         try:
             if not argv:
                 raise FileNotFoundError("the container has no command (and no image here)")
-            cwd = container.get("workingDir") or None
+            cwd = _mounted(container.get("workingDir") or "", mounts) or None
             pod.process = spawn(argv, log_path, env=env, cwd=cwd)
         except OSError as e:
             # The kubelet's StartError: the container never runs and the pod fails.
             with open(log_path, "a") as out:
                 out.write(f"node: cannot start {argv}: {e}\n")
-            self._mark_started(pod)
+            if pod.stage == 0:
+                self._mark_started(pod)
             self._finish(pod, BACKOFF_LIMIT_EXCEEDED)
             return
-        self._mark_started(pod)
-        log.info("node: Job %s runs as pid %d", pod.name, pod.process.pid)
+        if pod.stage == 0:
+            self._mark_started(pod)
+        log.info("node: Job %s runs %s as pid %d", pod.name, container.get("name"), pod.process.pid)
 
-    def _environment(self, container: Manifest) -> dict[str, str] | None:
+    def _volumes(self, pod: _Pod) -> Path:
+        assert self._log_dir is not None
+        return self._log_dir / f"{pod.name}.volumes"
+
+    def _mounts(self, pod: _Pod, container: Manifest) -> dict[str, str]:
+        """mountPath -> the pod's folder, for the container's emptyDir mounts."""
+        spec = pod.job["spec"]["template"]["spec"]
+        empty = {v["name"] for v in spec.get("volumes") or [] if "emptyDir" in v}
+        mounts = {}
+        for mount in container.get("volumeMounts") or []:
+            if mount.get("name") in empty:
+                folder = self._volumes(pod) / mount["name"]
+                folder.mkdir(parents=True, exist_ok=True)
+                mounts[mount["mountPath"].rstrip("/")] = str(folder)
+        return mounts
+
+    def _environment(self, container: Manifest, mounts: dict[str, str]) -> dict[str, str] | None:
         """The process environment, or None while a Secret it needs is missing."""
         env = {k: v for k, v in os.environ.items() if k != "AGL_ADMIN_TOKEN"}
         for var in container.get("env") or []:
             source = var.get("valueFrom")
             if source is None:
-                env[var["name"]] = var.get("value", "")
+                env[var["name"]] = _mounted(var.get("value", ""), mounts)
                 continue
             ref = source.get("secretKeyRef")
             if ref is None:
@@ -377,9 +414,19 @@ class NodeSimulator:
         del self._pods[pod.uid]
         if pod.process is not None:
             kill_group(pod.process)
+        if self._log_dir is not None:
+            shutil.rmtree(self._volumes(pod), ignore_errors=True)
         with self._lock:
             self._running.pop(pod.uid, None)
 
     def _finish(self, pod: _Pod, failure: Failure | None) -> None:
         self._drop(pod)
         self._writer.patch(pod.job, final_status(failure, datetime.now(UTC)))
+
+
+def _mounted(value: str, mounts: dict[str, str]) -> str:
+    """``value`` with a leading mount path replaced by the pod's folder for it."""
+    for path, folder in mounts.items():
+        if value == path or value.startswith(path + "/"):
+            return folder + value[len(path) :]
+    return value

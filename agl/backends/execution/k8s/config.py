@@ -23,6 +23,21 @@ class EgressConfig:
 
 
 @dataclass
+class GradingConfig:
+    """How a graded task's Job is shaped (agl/grading/): the template's one container, the
+    harness, becomes the pod's last init container, and the grader runs after it in a copy
+    of that container (same image unless ``image``, same mounts, working folder and
+    security context) with ``command`` plus the grader's ``module:function``. The two
+    share the attempt's workspace, an emptyDir at ``workspace`` (read-only for the
+    grader); only the grader holds the report key, only the harness the model key."""
+
+    command: list[str] = field(default_factory=lambda: ["python", "-m", "agl.grading"])
+    image: str | None = None
+    workspace: str = "/agl/workspace"
+    mounts: list[dict[str, Any]] = field(default_factory=list)  # the grader's alone
+
+
+@dataclass
 class K8sExecutorConfig:
     template: Any  # a path to a YAML/Jinja2 file, an inline YAML string, or a mapping
     namespace: str = "default"
@@ -41,10 +56,16 @@ class K8sExecutorConfig:
     delete_on_close: bool = False  # True: close() deletes the Jobs (the run is over)
     api_threads: int = 8
     egress: EgressConfig = field(default_factory=EgressConfig)
+    grader: str | None = None  # the task's (agl/grading/): each Job grades its attempt
+    grading: GradingConfig = field(default_factory=GradingConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.egress, Mapping):
             self.egress = EgressConfig(**self.egress)
+        if isinstance(self.grading, Mapping):
+            self.grading = GradingConfig(**self.grading)
+        if not self.grading.command or not self.grading.workspace.startswith("/"):
+            raise ValueError("grading: a command, and an absolute workspace path")
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,18}[a-z0-9])?", self.instance):
             raise ValueError(f"instance {self.instance!r}: 1-20 lowercase letters, digits or '-'")
         if self.max_jobs < 1 or self.create_qps <= 0 or self.create_burst < 1:

@@ -243,6 +243,8 @@ class K8sExecutor:
             labels=self.labels,
             default_deadline_s=self.config.active_deadline_s,
             ttl_after_finished_s=self.config.ttl_after_finished_s,
+            grader=self.config.grader,
+            grading=self.config.grading,
         )
 
     # -- API calls (blocking; run on the pool) ------------------------------------------------

@@ -1,11 +1,13 @@
 """The objects the executor creates, built from a launch with no API call: the attempt's
-Job (the user's template rendered, with what the controller owns set over it), the Secret
-holding its keys, and the NetworkPolicy confining agents' egress."""
+Job (the user's template rendered, with what the controller owns set over it; for a
+graded task, the harness then the grader), the Secret holding its keys, and the
+NetworkPolicy confining agents' egress."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import functools
 import ipaddress
 import math
@@ -18,7 +20,8 @@ import orjson
 import yaml
 from jinja2 import Environment, StrictUndefined, TemplateError
 
-from agl.backends.execution.k8s.config import EgressConfig
+from agl.agent import ENV_GRADED, ENV_WORKSPACE
+from agl.backends.execution.k8s.config import EgressConfig, GradingConfig
 from agl.backends.execution.k8s.naming import (
     ATTEMPT,
     MANAGED_BY,
@@ -35,6 +38,10 @@ SECRET_KEY = "api-key"
 # agl.agent`` takes it out of its environment before the harness starts.
 REPORT_ENV = "AGL_REPORT_KEY"
 REPORT_SECRET_KEY = "report-key"
+# A graded Job's shared folder (GradingConfig) and its grader's time (agl/grading/__main__.py).
+WORKSPACE_VOLUME = "agl-workspace"
+GRADE_TIMEOUT_ENV = "AGL_GRADE_TIMEOUT_S"
+GRADER_CONTAINER = "grader"
 
 # -- the Job template -----------------------------------------------------------------------
 
@@ -101,8 +108,10 @@ def own_job(
     env: Mapping[str, str],
     active_deadline_s: int,
     ttl_after_finished_s: int,
+    graded: tuple[str, GradingConfig, float] | None = None,
 ) -> dict[str, Any]:
-    """``job`` with what the controller owns set over the template's values."""
+    """``job`` with what the controller owns set over the template's values; ``graded``
+    (the grader, how, its time): the harness, then the grader (:func:`_stage_grader`)."""
     meta = _mapping(job, "metadata")
     meta.pop("generateName", None)
     meta["name"], meta["namespace"] = name, namespace
@@ -123,18 +132,84 @@ def own_job(
     pod_spec = _mapping(pod, "spec")
     pod_spec["restartPolicy"] = "Never"
     pod_spec.setdefault("automountServiceAccountToken", False)
-    ours: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items() if k != KEY_ENV]
-    ours += [
-        {"name": env_name, "valueFrom": {"secretKeyRef": {"name": name, "key": secret_key}}}
-        for env_name, secret_key in ((KEY_ENV, SECRET_KEY), (REPORT_ENV, REPORT_SECRET_KEY))
+    plain = [{"name": k, "value": v} for k, v in env.items() if k != KEY_ENV]
+    if graded is not None:
+        _stage_grader(pod_spec, plain, name, *graded)
+        return job
+    ours = [
+        *plain,
+        _secret_env(KEY_ENV, name, SECRET_KEY),
+        _secret_env(REPORT_ENV, name, REPORT_SECRET_KEY),
     ]
-    names = {e["name"] for e in ours}
     for container in pod_spec["containers"]:
-        if not isinstance(container, dict):
-            continue
-        kept = [e for e in container.get("env") or [] if e.get("name") not in names]
-        container["env"] = kept + ours
+        if isinstance(container, dict):
+            _set_env(container, ours)
     return job
+
+
+def _secret_env(env_name: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": env_name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def _set_env(container: dict[str, Any], ours: list[dict[str, Any]]) -> None:
+    """Ours over the template's: a template's variable of the same name is dropped."""
+    names = {e["name"] for e in ours}
+    kept = [e for e in container.get("env") or [] if e.get("name") not in names]
+    container["env"] = kept + ours
+
+
+def _stage_grader(
+    pod_spec: dict[str, Any],
+    plain: list[dict[str, Any]],
+    secret: str,
+    grader: str,
+    grading: GradingConfig,
+    timeout_s: float,
+) -> None:
+    """The template's one container (the harness) becomes the last init container, and a
+    copy of it runs the grader once the harness exited 0: a harness that fails fails the
+    pod, and nothing of it runs while the grader does. The harness gets the model key
+    and no report key; the grader the report key and no model key."""
+    containers = pod_spec["containers"]
+    if len(containers) != 1 or not isinstance(containers[0], dict):
+        raise ValueError(
+            "Job template: a graded task's template has one container, its harness "
+            "(the grader's container is added after it)"
+        )
+    harness = containers[0]
+    workspace = [
+        {"name": ENV_WORKSPACE, "value": grading.workspace},
+        {"name": ENV_GRADED, "value": "1"},
+    ]
+    second = copy.deepcopy(harness)
+    second.pop("args", None)
+    second["name"] = GRADER_CONTAINER if harness.get("name") != GRADER_CONTAINER else "agl-grader"
+    second["command"] = [*grading.command, grader]
+    if grading.image:
+        second["image"] = grading.image
+    _set_env(harness, [*plain, *workspace, _secret_env(KEY_ENV, secret, SECRET_KEY)])
+    _set_env(
+        second,
+        [
+            *plain,
+            *workspace,
+            {"name": GRADE_TIMEOUT_ENV, "value": f"{timeout_s:g}"},
+            _secret_env(REPORT_ENV, secret, REPORT_SECRET_KEY),
+        ],
+    )
+    mount = {"name": WORKSPACE_VOLUME, "mountPath": grading.workspace}
+    harness["volumeMounts"] = [*(harness.get("volumeMounts") or []), mount]
+    second["volumeMounts"] = [
+        *(second.get("volumeMounts") or []),
+        {**mount, "readOnly": True},
+        *copy.deepcopy(grading.mounts),
+    ]
+    pod_spec["initContainers"] = [*(pod_spec.get("initContainers") or []), harness]
+    pod_spec["containers"] = [second]
+    pod_spec["volumes"] = [
+        *(pod_spec.get("volumes") or []),
+        {"name": WORKSPACE_VOLUME, "emptyDir": {}},
+    ]
 
 
 def job_manifest(
@@ -146,9 +221,13 @@ def job_manifest(
     labels: Mapping[str, str],
     default_deadline_s: int,
     ttl_after_finished_s: int,
+    grader: str | None = None,
+    grading: GradingConfig | None = None,
 ) -> dict[str, Any]:
     """The attempt's Job: ``template`` rendered with the launch's variables, then owned.
-    ``labels`` are the executor's; the rollout's and the attempt's are added here."""
+    ``labels`` are the executor's; the rollout's and the attempt's are added here. With
+    ``grader``, the grader gets the attempt's time anew after the harness, as locally:
+    the Job's deadline is twice it."""
     env = launch.env
     input_value = orjson.loads(env["AGL_INPUT"]) if env.get("AGL_INPUT") else None
     variables = {
@@ -161,7 +240,9 @@ def job_manifest(
         "input": input_value,
         "input_json": env.get("AGL_INPUT", "null"),
     }
-    deadline = math.ceil(launch.timeout_s) if launch.timeout_s else default_deadline_s
+    time_s = launch.timeout_s or default_deadline_s
+    graded = (grader, grading or GradingConfig(), time_s) if grader else None
+    deadline = math.ceil(time_s * (2 if graded else 1))
     return own_job(
         render_job(template, variables),
         name=name,
@@ -175,6 +256,7 @@ def job_manifest(
         env=env,
         active_deadline_s=max(1, deadline),
         ttl_after_finished_s=ttl_after_finished_s,
+        graded=graded,
     )
 
 

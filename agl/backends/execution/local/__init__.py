@@ -13,7 +13,7 @@ Two kinds of harness, chosen by the harness string:
   that does not exec its last command reports a signal death as exit code 128+N:
   write ``command:exec ...`` to see "killed by signal NAME".
 
-With a ``grader`` (``module:function``, agl/grading.py; command harnesses only), each
+With a ``grader`` (``module:function``, agl/grading/; command harnesses only), each
 attempt runs in a workspace of its own (``run_dir/workspaces/<rollout_id>.<attempt>``,
 its ``AGL_WORKSPACE`` and working folder, removed when the attempt ends) without a report
 key, and the grader's verdict on that workspace, posted from here, is its reward.

@@ -8,18 +8,15 @@ import asyncio
 import logging
 import shutil
 import signal
-import traceback
 from dataclasses import replace
 from pathlib import Path
 
 from agl.agent import ENV_GRADED, ENV_REPORT_FD, ENV_WORKSPACE, AgentContext, report_pipe
 from agl.backends.execution.local.config import LocalExecutorConfig
 from agl.backends.execution.local.processes import base_env, exit_reason, signal_group, terminate
-from agl.backends.execution.worker import one_line
 from agl.core.contracts.execution import ORPHANED, Exit, Key, Launch
-from agl.core.contracts.failures import GRADER_RAISED
 from agl.core.run.services import die_with_parent
-from agl.grading import Grader, GradeRequest, as_grade, load_grader, post_grade
+from agl.grading import GradeNotPosted, Grader, grade_attempt, load_grader
 
 # The package's name, not this module's: the name its log lines carried before the split.
 log = logging.getLogger("agl.backends.execution.local")
@@ -125,26 +122,10 @@ class CommandRunner:
         posted, else the attempt's error. The grader gets the attempt's timeout anew."""
         assert self.grader is not None
         context = replace(AgentContext.from_env(launch.env), report_key=launch.report_key)
-        request = GradeRequest(launch.rollout_id, launch.attempt, context.input, workspace)
         try:
-            grade = as_grade(await asyncio.wait_for(self.grader(request), launch.timeout_s))
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:
-            timed_out = isinstance(error, TimeoutError)
-            text = f"timed out after {launch.timeout_s:g} s" if timed_out else one_line(error)
-            log.error(
-                "rollout %s attempt %d: the grader raised\n%s",
-                launch.rollout_id,
-                launch.attempt,
-                "".join(traceback.format_exception(error)).rstrip(),
-            )
-            return f"{GRADER_RAISED}: {text}"
-        try:
-            await post_grade(context, grade)
-        except Exception as error:  # the gateway refused or is gone: not the agent's doing
-            return f"cannot report the grade: {one_line(error)}"
-        return None
+            return await grade_attempt(self.grader, context, workspace, launch.timeout_s)
+        except GradeNotPosted as error:  # the gateway refused or is gone: not the agent's doing
+            return str(error)
 
     def take_exits(self) -> list[Exit]:
         exits, self.exits = self.exits, []

@@ -31,7 +31,7 @@ class LocalExecutorConfig:
     # (when this machine allows it; else a warning and unconfined).
     confine: bool | str = False
     hide: list[str] = field(default_factory=list)
-    # The task's grader (agl/grading.py), which posts each attempt's reward from here.
+    # The task's grader (agl/grading/), which posts each attempt's reward from here.
     grader: str | None = None
 
     def __post_init__(self) -> None:

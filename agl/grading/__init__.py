@@ -24,13 +24,19 @@ the attempt's report key:
 A grader is an ``async def grade(request: GradeRequest) -> Grade | float`` named in the
 task's yaml (``grader: module:function``); blocking work (running tests) goes through
 ``asyncio.to_thread`` or a subprocess. It runs with the local executor's command
-harnesses (one process per attempt, so each has a workspace of its own).
+harnesses (one process per attempt, so each has a workspace of its own) and with the
+Kubernetes executor, where a Job's harness runs as its init container and the grader
+(``python -m agl.grading``, ``__main__.py``) as its one container, the only one holding
+the report key (agl/backends/execution/k8s/manifests.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import logging
 import math
+import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +45,13 @@ from typing import Any
 import httpx
 
 from agl.agent import AgentContext, event_id
+from agl.backends.execution.worker import one_line
 from agl.core.client import AsyncGatewayClient
+from agl.core.contracts.failures import GRADER_RAISED
 from agl.core.contracts.records import EventIn
 from agl.core.run.tasks import load_callable
+
+log = logging.getLogger(__name__)
 
 GRADE_EVENT = "grade"
 
@@ -125,3 +135,37 @@ async def post_grade(
         finally:
             await gateway.close()
     await context.finish(reward=grade.reward, metrics=grade.metrics, http=http)
+
+
+class GradeNotPosted(RuntimeError):
+    """The gateway refused the grade or could not be reached: not the agent's doing."""
+
+
+async def grade_attempt(
+    grader: Grader, context: AgentContext, workspace: Path, timeout_s: float | None
+) -> str | None:
+    """Run ``grader`` on the attempt's ``workspace`` (within ``timeout_s``) and post its
+    verdict with ``context``'s report key. Answers None when it is posted, or the
+    attempt's error (``grader raised: ...``) when the grader raised or timed out, which
+    the caller reports as the agent's failure. GradeNotPosted when the verdict cannot be
+    posted."""
+    request = GradeRequest(context.rollout_id, context.attempt, context.input, workspace)
+    try:
+        grade = as_grade(await asyncio.wait_for(grader(request), timeout_s))
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:
+        timed_out = isinstance(error, TimeoutError)
+        text = f"timed out after {timeout_s:g} s" if timed_out else one_line(error)
+        log.error(
+            "rollout %s attempt %d: the grader raised\n%s",
+            context.rollout_id,
+            context.attempt,
+            "".join(traceback.format_exception(error)).rstrip(),
+        )
+        return f"{GRADER_RAISED}: {text}"
+    try:
+        await post_grade(context, grade)
+    except Exception as error:
+        raise GradeNotPosted(f"cannot report the grade: {one_line(error)}") from error
+    return None
