@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -270,3 +271,18 @@ def test_the_token_bucket_spaces_creations_at_its_rate(monkeypatch: pytest.Monke
 
     asyncio.run(main())
     assert slept == pytest.approx([0.1, 0.1, 0.1])  # 2 at once, then one per 1/rate
+
+
+def test_the_coding_agents_job_runs_its_grader_with_the_harness_privileges() -> None:
+    """conf/swe/job.yaml under conf/controller/swe_k8s.yaml: the grader runs the tests in
+    the same sandbox as the agent's commands, so it needs the same securityContext."""
+    repo = Path(__file__).resolve().parent.parent
+    grading = yaml.safe_load((repo / "conf" / "controller" / "swe_k8s.yaml").read_text())
+    template = load_template("conf/swe/job.yaml", repo)
+    job = _graded(template, **grading["grading"])
+    pod = job["spec"]["template"]["spec"]
+    (harness,), (grader,) = pod["initContainers"], pod["containers"]
+    assert harness["command"] == ["python", "-m", "experiments.swe.harness"]
+    assert grader["securityContext"] == harness["securityContext"]
+    assert "SYS_ADMIN" in grader["securityContext"]["capabilities"]["add"]
+    assert pod["enableServiceLinks"] is False

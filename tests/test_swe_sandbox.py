@@ -16,8 +16,10 @@ import pytest
 from agl.agent import ENV_API_KEY
 from agl.backends.execution.confine import unavailable
 from experiments.swe.grader import carry_over, reaches_into_the_runner
+from experiments.swe.harness import hidden_from_agents
 from experiments.swe.sandbox import (
     NOBODY,
+    ROOT,
     Lockdown,
     installed_copies,
     prepare_workspace,
@@ -257,3 +259,13 @@ def test_what_the_agent_leaves_in_the_repository_never_runs_in_the_reporting_pro
         )
     assert run.outcomes == {"tests/test_mini.py::test_wrong": "failed"}
     assert not list(repo.glob("imported-*"))
+
+
+def test_the_run_folder_is_hidden_in_the_local_layout_and_nothing_above_a_pods_workspace(
+    tmp_path: Path,
+) -> None:
+    mirror = tmp_path / "data" / "mirror"
+    local = tmp_path / "run" / "workspaces" / "r.1"
+    assert hidden_from_agents(mirror, local) == [tmp_path / "data", tmp_path / "run", ROOT]
+    # A Job's workspace is a volume of its pod's: hiding what is above it would hide "/".
+    assert hidden_from_agents(mirror, Path("/agl/workspace")) == [tmp_path / "data", ROOT]

@@ -93,9 +93,12 @@ def leaky_checkout(root: Path, repo: str, branch: str, dest: Path) -> None:
 def hidden_from_agents(root: Path, workspace: Path) -> list[Path]:
     """What a task's commands must not see beyond the machine's defaults: the pipeline's
     folder (the mirror's base, the records with their patches), the run's folder (the
-    store, other workspaces: the executor's layout is <run>/workspaces/<attempt>) and
-    agl's checkout (data and runs kept there)."""
-    return [root.resolve().parent, workspace.resolve().parent.parent, ROOT]
+    store, other workspaces: the local executor's layout is <run>/workspaces/<attempt>;
+    a Kubernetes Job's workspace is a volume of its pod's, with no run folder around it)
+    and agl's checkout (data and runs kept there)."""
+    workspace = workspace.resolve()
+    run = [workspace.parent.parent] if workspace.parent.name == "workspaces" else []
+    return [root.resolve().parent, *run, ROOT]
 
 
 def run(agent: AgentContext, workspace: Path) -> dict[str, Any]:
