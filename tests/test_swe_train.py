@@ -156,3 +156,41 @@ def test_a_step_through_kubernetes_jobs_grades_each_attempt_in_its_job(
     _tests_ran(grades)
     assert calls >= 4
     assert len(node.started) == len(set(node.started)) >= 5  # 4 rollouts and validation
+
+
+def test_the_gpu_recipe_composes_into_configs_agl_accepts() -> None:
+    """conf/swe_gpu.yaml (not run here): Qwen by model=hf on vLLM and verl, the agents as
+    Jobs with their grader, the paper's rollout-level advantage and loss; every group's
+    options are ones its config takes."""
+    from omegaconf import OmegaConf
+
+    from agl.backends.execution.k8s.config import K8sExecutorConfig
+    from agl.core.run.build import backend_config
+    from agl.core.run.tasks import TaskConfig
+    from agl.core.trainer.loop import TrainerConfig
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(
+            config_name="swe_gpu",
+            overrides=[
+                "model.path=/models/Qwen3.5-9B",
+                "task.train_files=/data/swe/3-split/train.jsonl",
+                "task.options.mirror=/data/swe/mirror",
+            ],
+        )
+    assert not OmegaConf.missing_keys(cfg)
+    options: Any = OmegaConf.to_container(cfg, resolve=True)
+    chosen = [options[g]["name"] for g in ("model", "inference", "backend", "controller")]
+    assert chosen == ["hf", "vllm", "verl", "k8s"]
+    assert (options["advantage"]["name"], options["loss"]["name"]) == ("rollout", "rollout_mean")
+    trainer = TrainerConfig(**options["trainer"])
+    backend = backend_config(options["backend"], trainer.steps)
+    assert backend.ranks == 8 and backend.param_dtype == "bf16"
+    task = TaskConfig(**options["task"])
+    controller = {
+        k: v
+        for k, v in options["controller"].items()
+        if k not in ("name", "poll_s", "reconcile_s", "agent_gateway_url")
+    }
+    k8s = K8sExecutorConfig(agent_gateway_url="http://gw:8000", grader=task.grader, **controller)
+    assert k8s.grader == "experiments.swe.grader:grade" and k8s.template == "conf/swe/job.yaml"
