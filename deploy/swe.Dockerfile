@@ -1,7 +1,7 @@
 # The coding agent's image (experiments/swe/README.md, "On Kubernetes"): agl's image, plus
 # what the harness and the sandbox need, plus a task set the pipeline made, built outside
 # (it downloads the projects' sdists):
-#   python -m experiments.swe.pipeline make --projects isodate,schema,xmltodict --out data/swe
+#   python -m experiments.swe.pipeline make --projects parse,schema,xmltodict,voluptuous --out data/swe
 #   python -m experiments.swe.pipeline filter --out data/swe
 #   python -m experiments.swe.pipeline split --test 0.1 --out data/swe
 #   docker build -f deploy/Dockerfile -t agl:latest .
