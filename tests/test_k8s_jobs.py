@@ -162,7 +162,7 @@ def test_a_graded_job_runs_the_harness_then_the_grader_each_with_its_key_alone()
     harness_env = {e["name"]: e.get("value") for e in harness["env"]}
     grader_env = {e["name"]: e.get("value") for e in grader["env"]}
     assert harness_env["AGL_GRADED"] == "1" and harness_env["AGL_WORKSPACE"] == "/agl/workspace"
-    assert grader_env["AGL_WORKSPACE"] == "/agl/workspace"
+    assert grader_env["AGL_WORKSPACE"] == "/agl/workspace" and "AGL_GRADED" not in grader_env
     assert grader_env["AGL_GRADE_TIMEOUT_S"] == "30" and grader_env["KEEP"] == "1"
     assert harness["command"][-1] == "print(7)"
     assert grader["command"] == ["python", "-m", "agl.grading", "tests.grading:grade"]

@@ -155,7 +155,7 @@ async def grade_attempt(
     except asyncio.CancelledError:
         raise
     except Exception as error:
-        timed_out = isinstance(error, TimeoutError)
+        timed_out = isinstance(error, TimeoutError) and timeout_s is not None
         text = f"timed out after {timeout_s:g} s" if timed_out else one_line(error)
         log.error(
             "rollout %s attempt %d: the grader raised\n%s",

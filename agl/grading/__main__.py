@@ -19,14 +19,14 @@ import asyncio
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from agl.agent import (
+    ENV_API_KEY,
     ENV_ATTEMPT,
     ENV_GATEWAY,
     ENV_INPUT,
-    ENV_MODE,
-    ENV_MODEL,
     ENV_REPORT_KEY,
     ENV_ROLLOUT,
     ENV_WORKSPACE,
@@ -47,24 +47,15 @@ def context_from(env: dict[str, str]) -> tuple[AgentContext, Path, float | None]
     missing = [name for name in REQUIRED if not env.get(name)]
     if missing:
         raise AgentEnvError(f"the grader's environment lacks {', '.join(missing)}")
-    # The harness's variables, less the model key the grader has no use for.
-    agent = AgentContext.from_env({**env, "OPENAI_API_KEY": ""})
+    timeout = env.get(ENV_GRADE_TIMEOUT)
     try:
-        timeout = env.get(ENV_GRADE_TIMEOUT)
         timeout_s = float(timeout) if timeout else None
     except ValueError:
         raise AgentEnvError(f"{ENV_GRADE_TIMEOUT}={timeout!r} is not a number") from None
-    context = AgentContext(
-        gateway_url=agent.gateway_url,
-        rollout_id=agent.rollout_id,
-        attempt=agent.attempt,
-        mode=env.get(ENV_MODE, "train"),
-        model=env.get(ENV_MODEL, ""),
-        api_key="",
-        input=agent.input,
-        report_key=env[ENV_REPORT_KEY],
-    )
-    return context, Path(env[ENV_WORKSPACE]), timeout_s
+    # The harness's variables with the report key (from_env reads AGL_REPORT_KEY), less
+    # the model key the grader has no use for; it reports, so it is not "graded".
+    agent = AgentContext.from_env({**env, ENV_API_KEY: ""})
+    return replace(agent, graded=False), Path(env[ENV_WORKSPACE]), timeout_s
 
 
 async def _grade(spec: str, env: dict[str, str]) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from agl.agent import ENV_WORKSPACE, AgentContext
+from agl.backends.execution.local.commands import WORKSPACES
 from experiments.swe import mirror
 from experiments.swe.sandbox import ROOT, installed_copies, prepare_workspace
 
@@ -97,7 +98,7 @@ def hidden_from_agents(root: Path, workspace: Path) -> list[Path]:
     a Kubernetes Job's workspace is a volume of its pod's, with no run folder around it)
     and agl's checkout (data and runs kept there)."""
     workspace = workspace.resolve()
-    run = [workspace.parent.parent] if workspace.parent.name == "workspaces" else []
+    run = [workspace.parent.parent] if workspace.parent.name == WORKSPACES else []
     return [root.resolve().parent, *run, ROOT]
 
 

@@ -177,22 +177,20 @@ def _stage_grader(
             "(the grader's container is added after it)"
         )
     harness = containers[0]
-    workspace = [
-        {"name": ENV_WORKSPACE, "value": grading.workspace},
-        {"name": ENV_GRADED, "value": "1"},
-    ]
+    workspace = {"name": ENV_WORKSPACE, "value": grading.workspace}
     second = copy.deepcopy(harness)
     second.pop("args", None)
     second["name"] = GRADER_CONTAINER if harness.get("name") != GRADER_CONTAINER else "agl-grader"
     second["command"] = [*grading.command, grader]
     if grading.image:
         second["image"] = grading.image
-    _set_env(harness, [*plain, *workspace, _secret_env(KEY_ENV, secret, SECRET_KEY)])
+    graded = {"name": ENV_GRADED, "value": "1"}  # the harness's finish() posts nothing
+    _set_env(harness, [*plain, workspace, graded, _secret_env(KEY_ENV, secret, SECRET_KEY)])
     _set_env(
         second,
         [
             *plain,
-            *workspace,
+            workspace,
             {"name": GRADE_TIMEOUT_ENV, "value": f"{timeout_s:g}"},
             _secret_env(REPORT_ENV, secret, REPORT_SECRET_KEY),
         ],

@@ -18,6 +18,9 @@ from agl.core.contracts.execution import ORPHANED, Exit, Key, Launch
 from agl.core.run.services import die_with_parent
 from agl.grading import GradeNotPosted, Grader, grade_attempt, load_grader
 
+# Where each graded attempt works: run_dir/WORKSPACES/<rollout>.<attempt>.
+WORKSPACES = "workspaces"
+
 # The package's name, not this module's: the name its log lines carried before the split.
 log = logging.getLogger("agl.backends.execution.local")
 
@@ -32,7 +35,7 @@ class CommandRunner:
         self.grader: Grader | None = load_grader(config.grader) if config.grader else None
         self.attempt_dir = Path(config.run_dir) / "attempts"
         self.attempt_dir.mkdir(parents=True, exist_ok=True)
-        self.workspace_dir = Path(config.run_dir) / "workspaces"
+        self.workspace_dir = Path(config.run_dir) / WORKSPACES
         self.env = base_env(config.extra_pythonpath)
         self.exits: list[Exit] = []
         self.running: dict[tuple[str, int], asyncio.Task[None]] = {}
