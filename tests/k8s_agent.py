@@ -4,6 +4,9 @@ Secret ``OPENAI_API_KEY``, the model key, and ``AGL_REPORT_KEY``, the report key
 with) and does what its input says:
 
 - ``sleep``: seconds to wait first (default 0);
+- ``print``: a text to print first, ``lines``: that many numbered lines to print, and
+  ``forge_log``: try to post an ``agent_log`` event with the model key, printing the
+  status the gateway answered (what the pod's log should show);
 - ``report``: ``"succeeded"`` (default; with ``reward``, default 1.0), ``"none"`` (exit 0
   without a word), ``"exit"`` (exit with ``code`` without a word), or ``"graded"`` (a
   graded task's harness: writes ``write`` to ``answer.txt`` in ``AGL_WORKSPACE``, tries to
@@ -74,13 +77,24 @@ async def grade(request: GradeRequest) -> Grade:
 def main() -> int:
     spec = json.loads(os.environ.get("AGL_INPUT") or "null") or {}
     time.sleep(float(spec.get("sleep", 0)))
+    if "print" in spec:
+        print(spec["print"], flush=True)
+    for i in range(int(spec.get("lines", 0))):
+        print(f"line {i:06d}")
+    rollout, attempt = os.environ["AGL_ROLLOUT_ID"], os.environ["AGL_ATTEMPT"]
+    base = f"/api/rollouts/{rollout}/attempt/{attempt}"
+    if spec.get("forge_log"):
+        forged = [{"event_id": "agent-log", "type": "note", "data": {"logs": []}}]
+        status = _call("POST", f"{base}/events", forged, key_env="OPENAI_API_KEY")
+        print(f"forged agent-log id: {status}", flush=True)
+        forged = [{"type": "agent_log", "data": {"logs": [{"source": "me", "text": "all good"}]}}]
+        status = _call("POST", f"{base}/events", forged, key_env="OPENAI_API_KEY")
+        print(f"forged agent_log: {status}", flush=True)
     report = spec.get("report", "succeeded")
     if report == "exit":
         return int(spec.get("code", 1))
     if report == "none":
         return 0
-    rollout, attempt = os.environ["AGL_ROLLOUT_ID"], os.environ["AGL_ATTEMPT"]
-    base = f"/api/rollouts/{rollout}/attempt/{attempt}"
     if report == "graded":
         return _graded(spec, base)
     reward = {"event_id": f"{rollout}-{attempt}-reward", "type": "reward"}

@@ -32,7 +32,7 @@ from agl.backends.execution.k8s.config import K8sExecutorConfig
 from agl.backends.execution.k8s.executor import DELETED, K8sExecutor
 from agl.backends.execution.k8s.naming import ATTEMPT, INSTANCE, MANAGED_BY, ROLLOUT_ID, job_name
 from agl.core.client import AsyncGatewayClient, GatewayClient
-from agl.core.contracts.execution import LOST, NO_STATUS
+from agl.core.contracts.execution import AGENT_LOG_EVENT, LOST, NO_STATUS, AgentLog, agent_logs_of
 from agl.core.contracts.failures import Cause, failure_cause, is_final
 from agl.core.contracts.records import Status
 from agl.core.controller.reconcile import Controller
@@ -377,6 +377,93 @@ def test_a_restarted_controller_adopts_the_jobs_and_launches_nothing_twice(
     assert sum(created) + sum(lost) == sum(r.attempt for r in rollouts.values())
     assert sum(lost) <= 1
     assert sorted(node.started) == sorted(set(node.started))
+
+
+# -- the agents' logs --------------------------------------------------------------------
+
+
+async def recorded_log(client: AsyncGatewayClient, rollout_id: str) -> AgentLog:
+    events = await client.get_events(rollout_id)
+    (event,) = [e for e in events if e.type == AGENT_LOG_EVENT]
+    (log,) = agent_logs_of(event.data)
+    return log
+
+
+def test_a_failed_jobs_log_and_its_reason_outlive_the_job(
+    cluster: ApiServer, namespace: str, gateway: GatewayProcess, node: NodeSimulator
+) -> None:
+    """Before a finished Job is deleted, its pod's log (each container's, with how it
+    ended) is recorded with the attempt: the viewer and ``agl.rollouts show`` show it once
+    the Job is gone. The agent cannot forge it or take its id, and a log over the cap keeps
+    its end, saying so."""
+    loud = "about to fail: the answer was 41"
+    inputs = {
+        "loud": {"print": loud, "forge_log": True, "report": "exit", "code": 3},
+        "long": {"lines": 3000, "report": "exit", "code": 1},
+    }
+    logs: dict[str, AgentLog] = {}
+
+    async def main() -> None:
+        ex = executor(cluster, namespace, gateway, pod_log_bytes=8192)
+        async with controlling(gateway, ex) as (_, client):
+            await client.create_rollouts(rollout_specs(inputs, timeout_s=60))
+            await finished(client, list(inputs))
+            await until(lambda: not jobs(cluster, namespace))
+            for rid in inputs:
+                logs[rid] = await recorded_log(client, rid)
+
+    asyncio.run(main())
+    log = logs["loud"]
+    assert log.source.startswith("pod agl-") and log.source.endswith("container agent")
+    assert log.reason == "Error, exit code 3" and not log.truncated
+    assert loud in log.text
+    # Both forgeries were refused, and the log says so: the agent printed the answers.
+    assert "forged agent-log id: 403" in log.text and "forged agent_log: 403" in log.text
+
+    long = logs["long"]
+    assert long.truncated and len(long.text.encode()) <= 8192
+    assert long.lines()[-1] == "line 002999" and long.lines()[0].startswith("line ")
+
+    with httpx.Client(base_url=gateway.url, timeout=30) as viewer:
+        login = viewer.post("/ui/login", data={"token": gateway.token, "next": "/ui"})
+        assert login.status_code == 303
+        page = viewer.get("/ui/rollouts/loud")
+        assert page.status_code == 200
+        assert loud in page.text and "Error, exit code 3" in page.text
+        assert "Cut: the last lines are kept." in viewer.get("/ui/rollouts/long").text
+    shown = subprocess.run(
+        [sys.executable, "-m", "agl.rollouts", "show", "loud", "--gateway", gateway.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "AGL_ADMIN_TOKEN": gateway.token},
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert loud in shown.stdout and "(Error, exit code 3)" in shown.stdout
+
+
+def test_a_job_that_ends_while_no_controller_runs_has_its_log_read_by_the_next(
+    cluster: ApiServer, namespace: str, gateway: GatewayProcess, node: NodeSimulator
+) -> None:
+    inputs = {"late": {"sleep": 1.0, "print": "ended alone", "report": "exit", "code": 2}}
+    adopted: list[int] = []
+
+    async def main() -> AgentLog:
+        first = executor(cluster, namespace, gateway)
+        async with controlling(gateway, first) as (_, client):
+            await client.create_rollouts(rollout_specs(inputs, timeout_s=60))
+            await until(lambda: bool(node.running()), 30)
+        await until(lambda: bool(node.finished), 30)  # while no controller watches
+        second = executor(cluster, namespace, gateway)
+        async with controlling(gateway, second) as (_, client):
+            await finished(client, list(inputs))
+            await until(lambda: not jobs(cluster, namespace))
+            adopted.append(second.stats.jobs_adopted)
+            return await recorded_log(client, "late")
+
+    log = asyncio.run(main())
+    assert adopted == [1]
+    assert "ended alone" in log.text and log.reason == "Error, exit code 2"
 
 
 def test_an_api_server_restart_loses_nothing(

@@ -86,6 +86,9 @@ def parser() -> argparse.ArgumentParser:
     show.add_argument("--run", help="the run folder: how the calls became samples")
     show.add_argument("--messages", type=int, default=2, help="last messages shown per call")
     show.add_argument("--full", action="store_true", help="do not shorten long texts")
+    show.add_argument(
+        "--log-lines", type=int, default=20, help="last lines shown of each agent log (--full: all)"
+    )
     export = sub.add_parser("export", parents=[common, select], help="rollouts as JSON lines")
     export.add_argument("-o", "--output", required=True, help="FILE.jsonl, or - for stdout")
     scan = sub.add_parser("scan", parents=[common, select], help="flag suspicious rollouts")

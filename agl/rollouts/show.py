@@ -1,6 +1,8 @@
 """``show``: one rollout, call by call: its record, every status change, each attempt's
-events (the calls numbered, and why the trainer leaves one out), then, with ``--run``, how
-the run's merge strategy made samples of the calls and where it broke or stitched."""
+events (the calls numbered, and why the trainer leaves one out), the agent's log (what
+the controller recorded of a pod's, and with ``--run`` the run folder's), then, with
+``--run``, how the run's merge strategy made samples of the calls and where it broke or
+stitched."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from datetime import datetime
 from typing import IO, Any
 
 from agl.core.client import AsyncGatewayClient
+from agl.core.contracts.execution import AGENT_LOG_EVENT
 from agl.core.contracts.queries import Transition
 from agl.core.contracts.records import Event, Rollout
 from agl.core.contracts.samples import BreakReason
@@ -19,6 +22,7 @@ from agl.core.trainer.explain import BreakDetail
 from agl.rollouts.calls import Explained, Requests, explained, load_run_folder
 from agl.rollouts.select import fields, of_attempt, step_of
 from agl.rollouts.text import message_text, short, tool_call_text
+from agl.ui.agentlog import LogPart, agent_log, recorded_logs
 
 
 def count(value: Any) -> int:
@@ -64,8 +68,26 @@ def show_event(event: Event, label: str, args: argparse.Namespace, out: IO[str])
         )
     elif event.type == "reward":
         print(f"  reward {data.get('value')}", file=out)
+    elif event.type == AGENT_LOG_EVENT:
+        print("  agent log recorded (below)", file=out)
     else:
         print(f"  event {event.type}: {short(json.dumps(event.data), args.full)}", file=out)
+
+
+def show_agent_log(parts: Sequence[LogPart], lines: int, out: IO[str]) -> None:
+    """Each part's last ``lines`` lines (0: all), with how it ended."""
+    print("\nagent log:" if parts else "\nagent log: none recorded", file=out)
+    for part in parts:
+        note = f" ({part.note})" if part.note else ""
+        print(f"  {part.source}{note}", file=out)
+        shown = part.lines[-lines:] if lines else part.lines
+        hidden = len(part.lines) - len(shown)
+        if hidden:
+            print(f"      … {hidden} earlier lines (--full shows them)", file=out)
+        if part.truncated:
+            print("      (cut when recorded: the log was longer)", file=out)
+        for line in shown:
+            print(f"      {line}", file=out)
 
 
 def show_history(
@@ -180,8 +202,16 @@ async def cmd_show(client: AsyncGatewayClient, args: argparse.Namespace, out: IO
         labels = Requests.of(events, attempt, decode).labels()
         for e in evs:
             show_event(e, labels.get(e.sequence, ""), args, out)
+    parts = recorded_logs([e for e in events if e.type == AGENT_LOG_EVENT])
+    if run is not None:
+        parts += agent_log(run.folder, rollout.rollout_id, rollout.attempt)
+    show_agent_log(parts, 0 if args.full else args.log_lines, out)
     if run is None:
-        print("\n(--run DIR: how these calls became samples under the run's merge)", file=out)
+        print(
+            "\n(--run DIR: the run folder's agent log, and how these calls became samples "
+            "under the run's merge)",
+            file=out,
+        )
         return
     account = explained(events, rollout.attempt, run)
     if isinstance(account, str):

@@ -1,10 +1,11 @@
-"""The agent's log of one attempt, from the run folder.
+"""The agent's log of one rollout: what the controller recorded, and the run folder's.
 
 Where agents write (``agl.backends.execution.local``): a command harness gets its own
 ``attempts/<rollout_id>.<attempt>.out`` and ``.err``; Python harnesses share the long-lived
 workers' ``workers/worker-N.log``, so their lines are those that name the rollout (its
 proxy calls, its errors) and the lines that continue them (a traceback). Agents on
-Kubernetes log to their pods, which the viewer cannot read.
+Kubernetes log to their pods; the controller reads each container's log before it deletes
+the Job and records it as the attempt's ``agent_log`` event (``recorded_logs``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from agl.core.contracts.execution import AGENT_LOG_EVENT, agent_logs_of
+from agl.core.contracts.records import Event
+
 MAX_BYTES = 64 * 2**20  # read at most the last 64 MiB of a file
 MAX_LINES = 2000
 _NEW_RECORD = re.compile(r"^\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d")  # logging's asctime
@@ -20,9 +24,25 @@ _NEW_RECORD = re.compile(r"^\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d")  # logging's asc
 
 @dataclass(frozen=True)
 class LogPart:
-    source: str  # the file, relative to the run folder
+    source: str  # the file, relative to the run folder; or the pod and container
     lines: list[str]
     truncated: bool
+    note: str = ""  # how it ended, why there is nothing to read
+
+
+def recorded_logs(events: list[Event]) -> list[LogPart]:
+    """The logs the controller recorded with the attempts (a pod's containers)."""
+    parts = []
+    for event in events:
+        if event.type != AGENT_LOG_EVENT:
+            continue
+        for log in agent_logs_of(event.data):
+            lines = log.lines()
+            note = "; ".join(n for n in (log.reason, log.note) if n)
+            source = f"attempt {event.attempt}: {log.source}"
+            cut = log.truncated or len(lines) > MAX_LINES
+            parts.append(LogPart(source, lines[-MAX_LINES:], cut, note))
+    return parts
 
 
 def agent_log(run: Path, rollout_id: str, attempts: int) -> list[LogPart]:

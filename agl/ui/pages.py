@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import QueryParams
 from starlette.responses import Response
 
+from agl.core.contracts.execution import AGENT_LOG_EVENT
 from agl.core.contracts.queries import (
     HISTORY_SINCE,
     EventQuery,
@@ -36,7 +37,7 @@ from agl.core.gateway.query import INT64_MAX, INT64_MIN, whole_number
 from agl.core.gateway.store.base import Store
 from agl.core.run.build import make_advantage
 from agl.ui import session, views
-from agl.ui.agentlog import agent_log
+from agl.ui.agentlog import agent_log, recorded_logs
 from agl.ui.group import LEVELS, cards
 from agl.ui.render import render
 from agl.ui.run import RunFolder
@@ -196,10 +197,12 @@ def router(
         transitions = await s.transitions(rollout_id)
         summaries = await s.summaries(rollout_id)
         events = await s.list_events(rollout_id, EventQuery(limit=MAX_EVENTS + 1))
+        # Read apart: recorded at the end, they may come after the page's first events.
+        logs = await s.list_events(rollout_id, EventQuery(type=AGENT_LOG_EVENT))
         since = await s.get_meta(HISTORY_SINCE)
         header = await _run_header(run)
         body = await asyncio.to_thread(
-            _rollout_page, run, header, found, transitions, summaries, events, since
+            _rollout_page, run, header, found, transitions, summaries, events, logs, since
         )
         return _html(body)
 
@@ -401,6 +404,7 @@ def _rollout_page(
     transitions: list[Transition],
     summaries: list[Summary],
     events: list[Event],
+    logs: list[Event],
     history_since: str | None,
 ) -> str:
     truncated = len(events) > MAX_EVENTS
@@ -417,6 +421,7 @@ def _rollout_page(
                 events, attempt, info.choices["merge"], merge, decode_token
             )
     incomplete = history_since is not None and rollout.created_at < float(history_since)
+    files = [] if run.folder is None else agent_log(run.folder, rollout.rollout_id, rollout.attempt)
     return render(
         "rollout.html",
         run=header,
@@ -429,9 +434,8 @@ def _rollout_page(
         truncated=truncated,
         max_events=MAX_EVENTS,
         explained=explained,
-        log=None
-        if run.folder is None
-        else agent_log(run.folder, rollout.rollout_id, rollout.attempt),
+        log=recorded_logs(logs) + files,
+        folder=run.folder is not None,
     )
 
 

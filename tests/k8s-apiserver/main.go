@@ -10,6 +10,8 @@ import (
 	"flag"
 	"fmt"
 	"net"
+	"net/http"
+	"net/url"
 	"os"
 	"os/signal"
 	"reflect"
@@ -20,6 +22,7 @@ import (
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	apimachineryvalidation "k8s.io/apimachinery/pkg/api/validation"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -30,8 +33,10 @@ import (
 	"k8s.io/apiserver/pkg/authentication/token/tokenfile"
 	"k8s.io/apiserver/pkg/authorization/authorizerfactory"
 	openapinamer "k8s.io/apiserver/pkg/endpoints/openapi"
+	genericrequest "k8s.io/apiserver/pkg/endpoints/request"
 	"k8s.io/apiserver/pkg/registry/generic"
 	genericregistry "k8s.io/apiserver/pkg/registry/generic/registry"
+	genericrest "k8s.io/apiserver/pkg/registry/generic/rest"
 	"k8s.io/apiserver/pkg/registry/rest"
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	"k8s.io/apiserver/pkg/server/options"
@@ -39,9 +44,9 @@ import (
 	"k8s.io/apiserver/pkg/storage/names"
 	"k8s.io/apiserver/pkg/util/compatibility"
 	"k8s.io/kube-openapi/pkg/common"
-	generatedopenapi "miniapiserver/openapi"
 	openapiutil "k8s.io/kube-openapi/pkg/util"
 	"k8s.io/kube-openapi/pkg/validation/spec"
+	generatedopenapi "miniapiserver/openapi"
 	"sigs.k8s.io/structured-merge-diff/v6/fieldpath"
 )
 
@@ -75,6 +80,7 @@ var kinds = []kindDef{
 	{corev1.SchemeGroupVersion, "services", "service", true, &corev1.Service{}, &corev1.ServiceList{}, true, []string{"svc"}},
 	{corev1.SchemeGroupVersion, "secrets", "secret", true, &corev1.Secret{}, &corev1.SecretList{}, false, nil},
 	{corev1.SchemeGroupVersion, "namespaces", "namespace", false, &corev1.Namespace{}, &corev1.NamespaceList{}, true, []string{"ns"}},
+	{corev1.SchemeGroupVersion, "nodes", "node", false, &corev1.Node{}, &corev1.NodeList{}, true, []string{"no"}},
 }
 
 func init() {
@@ -85,6 +91,9 @@ func init() {
 		scheme.AddKnownTypes(internal, k.obj, k.list)
 		metav1.AddToGroupVersion(scheme, k.gv)
 	}
+	// pods/log takes its options as a query; registered as the other kinds are.
+	scheme.AddKnownTypes(corev1.SchemeGroupVersion, &corev1.PodLogOptions{})
+	scheme.AddKnownTypes(schema.GroupVersion{Version: runtime.APIVersionInternal}, &corev1.PodLogOptions{})
 	metav1.AddToGroupVersion(scheme, schema.GroupVersion{Version: "v1"})
 	scheme.AddUnversionedTypes(schema.GroupVersion{Group: "", Version: "v1"},
 		&metav1.Status{}, &metav1.APIVersions{}, &metav1.APIGroupList{}, &metav1.APIGroup{}, &metav1.APIResourceList{})
@@ -120,9 +129,9 @@ func (s strategy) Validate(ctx context.Context, obj runtime.Object) field.ErrorL
 		apimachineryvalidation.NameIsDNSSubdomain, field.NewPath("metadata"))
 }
 func (s strategy) WarningsOnCreate(ctx context.Context, obj runtime.Object) []string { return nil }
-func (s strategy) Canonicalize(obj runtime.Object)                                  {}
-func (s strategy) AllowCreateOnUpdate() bool                                        { return false }
-func (s strategy) AllowUnconditionalUpdate() bool                                   { return true }
+func (s strategy) Canonicalize(obj runtime.Object)                                   {}
+func (s strategy) AllowCreateOnUpdate() bool                                         { return false }
+func (s strategy) AllowUnconditionalUpdate() bool                                    { return true }
 func (s strategy) PrepareForUpdate(ctx context.Context, obj, old runtime.Object) {
 	if s.statusOnly {
 		// status subresource: keep everything but status (and metadata changes except as allowed)
@@ -166,6 +175,119 @@ func (r *statusREST) Update(ctx context.Context, name string, objInfo rest.Updat
 }
 func (r *statusREST) ConvertToTable(ctx context.Context, object runtime.Object, tableOptions runtime.Object) (*metav1.Table, error) {
 	return r.store.ConvertToTable(ctx, object, tableOptions)
+}
+
+// ---- pods/log: streamed from the pod's node, as kube-apiserver does from the kubelet
+
+// logREST answers GET pods/NAME/log by proxying the kubelet's /containerLogs of the
+// node named in the pod's spec.nodeName, at the Node's InternalIP and kubelet port
+// (status.daemonEndpoints.kubeletEndpoint.port). Only plain http: a test node.
+type logREST struct{ pods, nodes *genericregistry.Store }
+
+func (r *logREST) New() runtime.Object               { return &corev1.Pod{} }
+func (r *logREST) Destroy()                          {}
+func (r *logREST) ProducesMIMETypes(string) []string { return []string{"text/plain"} }
+func (r *logREST) ProducesObject(string) interface{} { return "" }
+func (r *logREST) NewGetOptions() (runtime.Object, bool, string) {
+	return &corev1.PodLogOptions{}, false, ""
+}
+
+func (r *logREST) Get(ctx context.Context, name string, opts runtime.Object) (runtime.Object, error) {
+	o, ok := opts.(*corev1.PodLogOptions)
+	if !ok {
+		return nil, apierrors.NewBadRequest(fmt.Sprintf("invalid options object: %#v", opts))
+	}
+	obj, err := r.pods.Get(ctx, name, &metav1.GetOptions{})
+	if err != nil {
+		return nil, err
+	}
+	pod := obj.(*corev1.Pod)
+	container := o.Container
+	if container == "" {
+		if len(pod.Spec.Containers) != 1 {
+			names := []string{}
+			for _, c := range pod.Spec.Containers {
+				names = append(names, c.Name)
+			}
+			return nil, apierrors.NewBadRequest(fmt.Sprintf("a container name must be specified for pod %s, choose one of: %v", name, names))
+		}
+		container = pod.Spec.Containers[0].Name
+	}
+	if pod.Spec.NodeName == "" {
+		return nil, apierrors.NewBadRequest(fmt.Sprintf("pod %s does not have a host assigned", name))
+	}
+	nobj, err := r.nodes.Get(genericrequest.WithNamespace(ctx, metav1.NamespaceNone), pod.Spec.NodeName, &metav1.GetOptions{})
+	if err != nil {
+		return nil, err
+	}
+	node := nobj.(*corev1.Node)
+	host := ""
+	for _, a := range node.Status.Addresses {
+		if a.Type == corev1.NodeInternalIP {
+			host = a.Address
+			break
+		}
+	}
+	port := node.Status.DaemonEndpoints.KubeletEndpoint.Port
+	if host == "" || port == 0 {
+		return nil, apierrors.NewBadRequest(fmt.Sprintf("node %s has no InternalIP or kubelet port", node.Name))
+	}
+	query := url.Values{}
+	if o.Follow {
+		query.Set("follow", "true")
+	}
+	if o.Previous {
+		query.Set("previous", "true")
+	}
+	if o.Timestamps {
+		query.Set("timestamps", "true")
+	}
+	if o.TailLines != nil {
+		query.Set("tailLines", fmt.Sprint(*o.TailLines))
+	}
+	if o.LimitBytes != nil {
+		query.Set("limitBytes", fmt.Sprint(*o.LimitBytes))
+	}
+	location := &url.URL{
+		Scheme:   "http",
+		Host:     net.JoinHostPort(host, fmt.Sprint(port)),
+		Path:     fmt.Sprintf("/containerLogs/%s/%s/%s", pod.Namespace, pod.Name, container),
+		RawQuery: query.Encode(),
+	}
+	return &genericrest.LocationStreamer{
+		Location:        location,
+		Transport:       http.DefaultTransport,
+		ContentType:     "text/plain",
+		Flush:           o.Follow,
+		ResponseChecker: genericrest.NewGenericHttpResponseChecker(corev1.Resource("pods/log"), name),
+		RedirectChecker: genericrest.PreventRedirects,
+	}, nil
+}
+
+// logOptionsCodec decodes pods/log's query into PodLogOptions (kube-apiserver does it
+// with conversions generated in k8s.io/kubernetes, not in k8s.io/api); everything else
+// goes to metav1's codec, as before.
+type logOptionsCodec struct{ runtime.ParameterCodec }
+
+func (c logOptionsCodec) DecodeParameters(parameters url.Values, from schema.GroupVersion, into runtime.Object) error {
+	o, ok := into.(*corev1.PodLogOptions)
+	if !ok {
+		return c.ParameterCodec.DecodeParameters(parameters, from, into)
+	}
+	o.Container = parameters.Get("container")
+	o.Follow = parameters.Get("follow") == "true"
+	o.Previous = parameters.Get("previous") == "true"
+	o.Timestamps = parameters.Get("timestamps") == "true"
+	for key, target := range map[string]**int64{"tailLines": &o.TailLines, "limitBytes": &o.LimitBytes, "sinceSeconds": &o.SinceSeconds} {
+		if v := parameters.Get(key); v != "" {
+			var n int64
+			if _, err := fmt.Sscan(v, &n); err != nil {
+				return apierrors.NewBadRequest(fmt.Sprintf("%s=%q is not an integer", key, v))
+			}
+			*target = &n
+		}
+	}
+	return nil
 }
 
 // ---- OpenAPI: permissive definitions (SSA needs a type converter; no generated openapi for k8s.io/api here)
@@ -232,10 +354,11 @@ func main() {
 	}
 
 	groups := map[string]*genericapiserver.APIGroupInfo{}
+	stores := map[string]*genericregistry.Store{}
 	for _, k := range kinds {
 		gi, ok := groups[k.gv.Group]
 		if !ok {
-			g := genericapiserver.NewDefaultAPIGroupInfo(k.gv.Group, scheme, metav1.ParameterCodec, codecs)
+			g := genericapiserver.NewDefaultAPIGroupInfo(k.gv.Group, scheme, logOptionsCodec{metav1.ParameterCodec}, codecs)
 			gi = &g
 			groups[k.gv.Group] = gi
 		}
@@ -263,6 +386,7 @@ func main() {
 			fail(err)
 		}
 		gi.VersionedResourcesStorageMap[k.gv.Version][k.resource] = &shortNamed{store, k.short}
+		stores[k.resource] = store
 		if k.status {
 			ss := *store
 			ss.UpdateStrategy = strategy{scheme, names.SimpleNameGenerator, k.namespaced, true}
@@ -270,6 +394,7 @@ func main() {
 			gi.VersionedResourcesStorageMap[k.gv.Version][k.resource+"/status"] = &statusREST{&ss}
 		}
 	}
+	groups[""].VersionedResourcesStorageMap["v1"]["pods/log"] = &logREST{stores["pods"], stores["nodes"]}
 	if err := server.InstallLegacyAPIGroup("/api", groups[""]); err != nil {
 		fail(err)
 	}

@@ -18,7 +18,9 @@ Invariants:
 - a gateway error on one rollout is logged and retried on a later pass; it never ends
   the loop. Every PATCH names its attempt, so a retry is a no-op where it already took;
 - the executor is told to ``forget`` an exit only once the gateway has recorded it, so
-  what is left of an execution (a Job) survives until then for a restarted controller.
+  what is left of an execution (a Job) survives until then for a restarted controller;
+- the logs an exit carries (a pod's) are recorded as the attempt's ``agent_log`` event
+  before its status, under one event id, so a repeated settle records them once.
 
 With ``reconcile_s`` set, every so often a pass also compares the gateway's running
 rollouts with what executes:
@@ -48,6 +50,8 @@ import httpx
 from agl.agent import AgentContext
 from agl.core.client import AsyncGatewayClient, GatewayError
 from agl.core.contracts.execution import (
+    AGENT_LOG_EVENT,
+    AGENT_LOG_EVENT_ID,
     LOST,
     NO_STATUS,
     STOPPED,
@@ -55,9 +59,10 @@ from agl.core.contracts.execution import (
     Exit,
     Key,
     Launch,
+    agent_log_data,
 )
 from agl.core.contracts.failures import attempt_cause
-from agl.core.contracts.records import Rollout, Status
+from agl.core.contracts.records import EventIn, Rollout, Status
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +190,10 @@ class Controller:
         key = (exit.rollout_id, exit.attempt)
         self._running.discard(key)
         try:
+            if exit.logs:
+                data = agent_log_data(exit.logs)
+                event = EventIn(event_id=AGENT_LOG_EVENT_ID, type=AGENT_LOG_EVENT, data=data)
+                await self.client.post_events(exit.rollout_id, exit.attempt, [event])
             rollout = await self.client.get_rollout(exit.rollout_id)
             for _ in range(3):  # a 409 answers the rollout as it is now: decide again
                 try:

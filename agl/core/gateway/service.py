@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import Response
 
+from agl.core.contracts.execution import AGENT_LOG_EVENT, AGENT_LOG_EVENT_ID
 from agl.core.contracts.records import Rollout, Status, StatusPatch
 from agl.core.gateway.auth import Keyring, Principal, bearer
 from agl.core.gateway.config import GatewayConfig
@@ -231,6 +232,12 @@ class Gateway:
             # The trainer trains on these: only the proxy, which saw the model answer,
             # writes them. An agent posting one would be forging tokens and logprobs.
             raise ApiError(403, f"event type {sorted(forged)[0]!r} is written by the proxy only")
+        if not principal.admin and any(
+            e.type == AGENT_LOG_EVENT or e.event_id == AGENT_LOG_EVENT_ID for e in batch
+        ):
+            # What the pod printed, as its controller read it: an agent's own version, or
+            # one taking its id first (a repeat is ignored), would hide the real one.
+            raise ApiError(403, f"event {AGENT_LOG_EVENT!r} is written by the controller only")
         events = await self.store.append_events(rollout_id, attempt, batch, time.time())
         return json_response(events if isinstance(body, list) else events[0])
 

@@ -1,6 +1,7 @@
-"""``NodeSimulator``: the Job controller and the kubelet for an API server that has
-neither. It runs a Job's container command as a local process (or decides an outcome) and
-writes the Job's status as the real controller would."""
+"""``NodeSimulator``: the Job controller, the scheduler and the kubelet for an API server
+that has none of them. It runs a Job's container command as a local process (or decides an
+outcome) and writes the Job's status as the real controller would; in process mode it also
+keeps the Job's Pod, on a Node of its own whose kubelet serves the containers' logs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import shutil
 import subprocess
 import threading
@@ -35,7 +37,8 @@ from agl.testing.k8s.job_status import (
     job_uid,
     rfc3339,
 )
-from agl.testing.k8s.node_api import TRANSIENT, JobEvent, JobWatcher, StatusWriter
+from agl.testing.k8s.kubelet import LogServer
+from agl.testing.k8s.node_api import MERGE_PATCH, TRANSIENT, JobEvent, JobWatcher, StatusWriter
 from agl.testing.k8s.process_groups import kill_group, spawn
 
 # Named for the package: the name log lines and tests' log captures know it by.
@@ -61,6 +64,9 @@ class _Pod:
     job: Manifest
     process: subprocess.Popen[bytes] | None = None
     stage: int = 0  # which of ``containers(job)`` runs or runs next
+    pod_name: str | None = None  # its Pod object (process mode), once created
+    started_at: str | None = None
+    statuses: dict[str, Manifest] = field(default_factory=dict)  # container -> its status
 
     @property
     def uid(self) -> str:
@@ -77,6 +83,14 @@ class _Pod:
         return [*(spec.get("initContainers") or []), spec["containers"][0]]
 
 
+@dataclass
+class _PodLogs:
+    """Where a pod's containers wrote: one file, each container a span of it."""
+
+    path: Path
+    spans: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # end None: running
+
+
 class NodeSimulator:
     """The Job controller and the kubelet, for an API server that has neither.
 
@@ -86,7 +100,14 @@ class NodeSimulator:
     while each exits 0, its ``command + args`` as a local process with the test's
     environment (less ``AGL_ADMIN_TOKEN``) plus the container's ``env`` (literal values and
     ``secretKeyRef`` read from the API server, retried every 0.2 s while missing, as the
-    kubelet does), in ``workingDir``, output to ``log_dir/<job>.log``. An ``emptyDir``
+    kubelet does), in ``workingDir``, output to ``log_dir/<job>.log``. In this mode each
+    Job gets a Pod object as the Job controller makes one (``<job>-<5 chars>``, labelled
+    ``job-name``, owned by the Job), bound to the simulator's Node (``node_name``, with
+    the kubelet's log endpoint, ``agl.testing.k8s.kubelet``, at its InternalIP and port),
+    with its phase and each container's ``terminated`` state (exit code, reason) written
+    before the Job's final status; deleting the Job deletes it, as the garbage collector
+    would. A pod killed at the deadline keeps its Pod (a real Job controller deletes it).
+    An ``emptyDir``
     volume is a folder of the pod's (``log_dir/<job>.volumes/<name>``, removed with the
     pod); with no mount namespaces here, a container's ``mountPath`` of one is rewritten
     to that folder in its ``workingDir`` and ``env`` values (``readOnly`` is not
@@ -136,16 +157,22 @@ class NodeSimulator:
         self._seen: set[str] = set()  # uids ever admitted or found terminal
         self._timers: list[_Timer] = []
         self._seq = itertools.count()
-        # Shared with readers, under _lock:
+        self._pod_names: dict[str, str] = {}  # Job uid -> its Pod, until the Job is deleted
+        # Shared with readers (the kubelet's threads too), under _lock:
         self._lock = threading.Lock()
         self._started: list[str] = []
         self._running: dict[str, str] = {}  # uid -> job name
+        self._logs: dict[str, _PodLogs] = {}  # Pod name -> where its containers wrote
+        self.node_name = f"agl-node-{secrets.token_hex(4)}"
+        self._kubelet = LogServer(self._container_log) if outcome is None else None
 
     # -- lifecycle
 
     def start(self) -> NodeSimulator:
         if self._log_dir is not None:
             self._log_dir.mkdir(parents=True, exist_ok=True)
+        if self._kubelet is not None:
+            self._kubelet.start()
         self._writer.start()
         self._thread.start()
         self._watcher.start()
@@ -161,6 +188,8 @@ class NodeSimulator:
         self._events.put(("wake", None))  # rather than waiting out the node's idle poll
         self._thread.join()
         self._writer.close()
+        if self._kubelet is not None:
+            self._kubelet.stop()
 
     def __enter__(self) -> NodeSimulator:
         return self.start()
@@ -199,6 +228,7 @@ class NodeSimulator:
     def _run(self) -> None:
         with self._factory() as api_client:
             self._core = k8s.CoreV1Api(api_client)
+            self._register_node()
             try:
                 while not self._stopping.is_set():
                     try:
@@ -242,7 +272,7 @@ class NodeSimulator:
     def _sync(self, jobs: list[Manifest]) -> None:
         """After a relist: a Job no longer listed was deleted while the watch was down."""
         listed = {job_uid(job) for job in jobs}
-        for uid in [uid for uid in self._pods if uid not in listed]:
+        for uid in [uid for uid in {*self._pods, *self._pod_names} if uid not in listed]:
             self._deleted(uid)
         for job in jobs:
             self._observe(job)
@@ -262,6 +292,8 @@ class NodeSimulator:
         if (pod := self._pods.get(uid)) is not None:
             log.info("node: Job %s deleted; killing its pod", pod.name)
             self._drop(pod)
+        if (pod_name := self._pod_names.pop(uid, None)) is not None:
+            self._delete_pod(pod_name)
 
     def _admit(self, job: Manifest) -> None:
         now = datetime.now(UTC)
@@ -271,6 +303,8 @@ class NodeSimulator:
             self._writer.patch(job, {"startTime": rfc3339(now), "active": 1})
         pod = _Pod(job)
         self._pods[pod.uid] = pod
+        if self._outcome is None:
+            self._create_pod(pod)
         if (deadline_s := job["spec"].get("activeDeadlineSeconds")) is not None:
             self._at(deadline_s - (now - start_time).total_seconds(), "deadline", pod.uid)
         model = None
@@ -319,6 +353,7 @@ class NodeSimulator:
         for pod in list(self._pods.values()):
             if pod.process is not None and (code := pod.process.poll()) is not None:
                 log.info("node: Job %s's process exited with %d", pod.name, code)
+                self._container_ended(pod, code, "Completed" if code == 0 else "Error")
                 if code == 0 and pod.stage + 1 < len(pod.containers):
                     kill_group(pod.process)  # a container's leftovers end with it
                     pod.process, pod.stage = None, pod.stage + 1
@@ -336,6 +371,7 @@ class NodeSimulator:
             return
         log_path = self._log_dir / f"{pod.name}.log"
         argv = [*(container.get("command") or []), *(container.get("args") or [])]
+        self._container_started(pod, log_path)
         try:
             if not argv:
                 raise FileNotFoundError("the container has no command (and no image here)")
@@ -347,6 +383,7 @@ class NodeSimulator:
                 out.write(f"node: cannot start {argv}: {e}\n")
             if pod.stage == 0:
                 self._mark_started(pod)
+            self._container_ended(pod, 128, "StartError", str(e))
             self._finish(pod, BACKOFF_LIMIT_EXCEEDED)
             return
         if pod.stage == 0:
@@ -420,8 +457,183 @@ class NodeSimulator:
             self._running.pop(pod.uid, None)
 
     def _finish(self, pod: _Pod, failure: Failure | None) -> None:
+        killed = pod.process is not None and pod.process.poll() is None
         self._drop(pod)
+        if killed:
+            self._container_ended(pod, 137, "Error")
+        if failure is None:
+            self._write_pod_status(pod, "Succeeded")
+        elif failure is DEADLINE_EXCEEDED:
+            message = "Pod was active on the node longer than the specified deadline"
+            self._write_pod_status(pod, "Failed", "DeadlineExceeded", message)
+        else:
+            self._write_pod_status(pod, "Failed")
+        # The Job's end is written after its pod's, as in a cluster: whoever sees the Job
+        # finished finds the pod's final state.
         self._writer.patch(pod.job, final_status(failure, datetime.now(UTC)))
+
+    # -- the Pod, its Node and its logs (process mode)
+
+    def _register_node(self) -> None:
+        if self._kubelet is None:
+            return
+        try:
+            self._core.create_node({"metadata": {"name": self.node_name}})
+            status = {
+                "addresses": [
+                    {"type": "InternalIP", "address": "127.0.0.1"},
+                    {"type": "Hostname", "address": self.node_name},
+                ],
+                "daemonEndpoints": {"kubeletEndpoint": {"Port": self._kubelet.port}},
+                "conditions": [{"type": "Ready", "status": "True"}],
+            }
+            self._core.patch_node_status(
+                self.node_name, {"status": status}, _content_type=MERGE_PATCH
+            )
+        except (ApiException, *TRANSIENT) as e:
+            log.warning("node: registering Node %s: %s; no pod logs", self.node_name, e)
+
+    def _create_pod(self, pod: _Pod) -> None:
+        template = pod.job["spec"]["template"]
+        meta = template.get("metadata") or {}
+        name = f"{pod.name}-{secrets.token_hex(3)[:5]}"
+        owner = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "name": pod.name,
+            "uid": pod.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        labels = {
+            **(meta.get("labels") or {}),
+            "job-name": pod.name,
+            "batch.kubernetes.io/job-name": pod.name,
+            "controller-uid": pod.uid,
+            "batch.kubernetes.io/controller-uid": pod.uid,
+        }
+        body = {
+            "metadata": {
+                "name": name,
+                "labels": labels,
+                "annotations": meta.get("annotations") or {},
+                "ownerReferences": [owner],
+            },
+            "spec": {**template["spec"], "nodeName": self.node_name},
+        }
+        try:
+            self._core.create_namespaced_pod(self._namespace, body, _preload_content=False)
+        except (ApiException, *TRANSIENT) as e:
+            log.warning("node: creating the pod of Job %s: %s; it runs without one", pod.name, e)
+            return
+        pod.pod_name = name
+        self._pod_names[pod.uid] = name
+        assert self._log_dir is not None
+        with self._lock:
+            self._logs[name] = _PodLogs(self._log_dir / f"{pod.name}.log")
+
+    def _delete_pod(self, name: str) -> None:
+        with self._lock:
+            self._logs.pop(name, None)
+        try:
+            self._core.delete_namespaced_pod(name, self._namespace, _preload_content=False)
+        except (ApiException, *TRANSIENT) as e:
+            if not isinstance(e, ApiException) or e.status != 404:
+                log.warning("node: deleting pod %s: %s", name, e)
+
+    def _container_started(self, pod: _Pod, log_path: Path) -> None:
+        if pod.pod_name is None:
+            return
+        container = pod.containers[pod.stage]["name"]
+        now = rfc3339(datetime.now(UTC))
+        pod.started_at = pod.started_at or now
+        with self._lock:
+            logs = self._logs.get(pod.pod_name)
+            if logs is not None:
+                size = log_path.stat().st_size if log_path.exists() else 0
+                logs.spans[container] = (size, None)
+        pod.statuses[container] = {"running": {"startedAt": now}}
+        # Pending while an init container runs, as a kubelet reports it.
+        self._write_pod_status(
+            pod, "Running" if pod.stage + 1 == len(pod.containers) else "Pending"
+        )
+
+    def _container_ended(self, pod: _Pod, code: int, reason: str, message: str = "") -> None:
+        if pod.pod_name is None:
+            return
+        container = pod.containers[pod.stage]["name"]
+        with self._lock:
+            logs = self._logs.get(pod.pod_name)
+            if logs is not None and container in logs.spans:
+                end = logs.path.stat().st_size if logs.path.exists() else 0
+                logs.spans[container] = (logs.spans[container][0], end)
+        started = pod.statuses.get(container, {}).get("running", {}).get("startedAt")
+        terminated = {
+            "exitCode": code,
+            "reason": reason,
+            "startedAt": started,
+            "finishedAt": rfc3339(datetime.now(UTC)),
+        }
+        if message:
+            terminated["message"] = message
+        pod.statuses[container] = {"terminated": terminated}
+
+    def _write_pod_status(
+        self, pod: _Pod, phase: str, reason: str | None = None, message: str | None = None
+    ) -> None:
+        if pod.pod_name is None:
+            return
+        spec = pod.job["spec"]["template"]["spec"]
+
+        waiting = {"waiting": {"reason": "PodInitializing"}}
+
+        def statuses(containers: list[Manifest]) -> list[Manifest]:
+            return [
+                {
+                    "name": c["name"],
+                    "image": c.get("image", ""),
+                    "imageID": "",
+                    "ready": "running" in pod.statuses.get(c["name"], {}),
+                    "restartCount": 0,
+                    "state": pod.statuses.get(c["name"]) or waiting,
+                }
+                for c in containers
+            ]
+
+        status: Manifest = {
+            "phase": phase,
+            "hostIP": "127.0.0.1",
+            "startTime": pod.started_at,
+            "initContainerStatuses": statuses(spec.get("initContainers") or []),
+            "containerStatuses": statuses(spec["containers"][:1]),
+        }
+        if reason is not None:
+            status |= {"reason": reason, "message": message}
+        try:
+            self._core.patch_namespaced_pod_status(
+                pod.pod_name,
+                self._namespace,
+                {"status": status},
+                _content_type=MERGE_PATCH,
+                _preload_content=False,
+            )
+        except (ApiException, *TRANSIENT) as e:
+            log.warning("node: status of pod %s: %s", pod.pod_name, e)
+
+    def _container_log(self, namespace: str, pod: str, container: str) -> bytes | None:
+        """For the kubelet's threads: what the container wrote so far."""
+        with self._lock:
+            logs = self._logs.get(pod) if namespace == self._namespace else None
+            span = None if logs is None else logs.spans.get(container)
+        if logs is None or span is None:
+            return None
+        start, end = span
+        try:
+            with logs.path.open("rb") as f:
+                f.seek(start)
+                return f.read() if end is None else f.read(end - start)
+        except FileNotFoundError:
+            return b""
 
 
 def _mounted(value: str, mounts: dict[str, str]) -> str:

@@ -56,6 +56,9 @@ class K8sExecutorConfig:
     delete_on_close: bool = False  # True: close() deletes the Jobs (the run is over)
     api_threads: int = 8
     egress: EgressConfig = field(default_factory=EgressConfig)
+    # A finished Job's pod logs are kept with its attempt (the end of each container's,
+    # up to this many bytes) before the Job is deleted; 0: not read.
+    pod_log_bytes: int = 256 * 1024
     grader: str | None = None  # the task's (agl/grading/): each Job grades its attempt
     grading: GradingConfig = field(default_factory=GradingConfig)
 
@@ -68,5 +71,7 @@ class K8sExecutorConfig:
             raise ValueError("grading: a command, and an absolute workspace path")
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,18}[a-z0-9])?", self.instance):
             raise ValueError(f"instance {self.instance!r}: 1-20 lowercase letters, digits or '-'")
+        if self.pod_log_bytes < 0:
+            raise ValueError(f"pod_log_bytes={self.pod_log_bytes} must be 0 (off) or more")
         if self.max_jobs < 1 or self.create_qps <= 0 or self.create_burst < 1:
             raise ValueError("max_jobs, create_qps and create_burst must be positive")

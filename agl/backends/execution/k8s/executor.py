@@ -26,6 +26,9 @@ Invariants:
   so a retried or repeated create gets 409 and launches nothing;
 - every Job tracked yields exactly one ``Exit`` per executor: Complete (None), Failed
   (its reason and message), or deleted before it finished;
+- a Job that finished has its pods' logs read (``pod_logs``) before its ``Exit`` is
+  given, so they travel with it to the gateway; meanwhile (``ENDING``) the attempt still
+  counts as running, and a restarted controller reads them from the Jobs it adopts;
 - a Job and its Secret are deleted only after ``forget()``, i.e. once the controller has
   recorded the exit at the gateway; until then a restarted controller finds the Job and
   settles it again (a no-op where it took);
@@ -37,6 +40,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -66,6 +70,7 @@ from agl.backends.execution.k8s.manifests import (
 )
 from agl.backends.execution.k8s.naming import INSTANCE, MANAGED_BY, ROLE, job_name
 from agl.backends.execution.k8s.pacing import TokenBucket
+from agl.backends.execution.k8s.pod_logs import read_job_logs
 from agl.core.contracts.execution import ORPHANED, Exit, Key, Launch
 
 # Named for the package: the name log lines and logging settings know the executor by.
@@ -75,7 +80,8 @@ T = TypeVar("T")
 
 DELETED = "Job deleted before it finished"
 
-CREATING, ACTIVE, ENDED, FORGOTTEN = "creating", "active", "ended", "forgotten"
+CREATING, ACTIVE, ENDING, ENDED, FORGOTTEN = "creating", "active", "ending", "ended", "forgotten"
+RUNNING = (CREATING, ACTIVE, ENDING)  # what the controller must not think lost
 
 
 @dataclass
@@ -130,14 +136,14 @@ class K8sExecutor:
         if not self._started or self._stopping.is_set():
             return 0
         with self._lock:
-            busy = sum(t.state in (CREATING, ACTIVE) for t in self._jobs.values())
+            busy = sum(t.state in RUNNING for t in self._jobs.values())
         # Only what can be created now: an attempt moved to running but waiting for its
         # Job would be lost (and its attempt spent) if the controller stopped meanwhile.
         return max(0, min(self.config.max_jobs - busy, self._bucket.available()))
 
     def running(self) -> set[Key]:
         with self._lock:
-            return {t.key for t in self._jobs.values() if t.state in (CREATING, ACTIVE)}
+            return {t.key for t in self._jobs.values() if t.state in RUNNING}
 
     async def start(self) -> None:
         """Connect, ensure the NetworkPolicy, adopt the Jobs there are, start watching.
@@ -465,8 +471,29 @@ class K8sExecutor:
         if tracked.state in (CREATING, ACTIVE):
             finished, error = job_outcome(job)
             if finished:
+                self._ending(name, tracked, error)
+
+    def _ending(self, name: str, tracked: _Tracked, error: str | None) -> None:
+        """The Job finished: its Exit, with its pods' logs once read (lock held)."""
+        if self.config.pod_log_bytes == 0:
+            tracked.state = ENDED
+            self._exits.append(Exit(*tracked.key, error))
+            return
+        tracked.state = ENDING
+        # A shut pool: the executor is closing, and the next controller adopts the Job.
+        with contextlib.suppress(RuntimeError):
+            self._pool.submit(self._exit_with_logs, name, tracked, error)
+
+    def _exit_with_logs(self, name: str, tracked: _Tracked, error: str | None) -> None:
+        logs, requests = read_job_logs(
+            self.core, self.config.namespace, name, self.config.pod_log_bytes
+        )
+        with self._stats_lock:
+            self.stats.requests += requests
+        with self._lock:
+            if tracked.state == ENDING:
                 tracked.state = ENDED
-                self._exits.append(Exit(*tracked.key, error))
+                self._exits.append(Exit(*tracked.key, error, logs))
 
     def _observe_gone(self, name: str, tracked: _Tracked) -> None:
         if tracked.state in (CREATING, ACTIVE):
