@@ -109,7 +109,9 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
     from agl.core.run.services import ChildGateway
     from agl.core.run.tasks import Task, TaskConfig
     from agl.core.run.tracking import Tracker
+    from agl.core.trainer.assemble import FinishedRollout
     from agl.core.trainer.loop import Trainer, TrainerConfig
+    from agl.core.trainer.trajectories import COLUMNS, trajectory_rows
     from agl.strategies.registry import get
 
     started = time.monotonic()
@@ -236,6 +238,20 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
             tracker.log(step, metrics)
             progress.update(step, metrics)
 
+        trajectories = cfg.logging.get("wandb_trajectories", 0) if cfg.logging.wandb else 0
+
+        def on_rollouts(step: int, mode: str, rollouts: list[FinishedRollout]) -> None:
+            if trajectories:
+                rows = trajectory_rows(
+                    rollouts,
+                    merge,
+                    limit=trajectories,
+                    key=f"{mode}:{step}",
+                    text_chars=cfg.logging.get("wandb_text_chars", 4000),
+                    dedup_rule=trainer_config.dedup,
+                )
+                tracker.log_table(step, f"{mode}/trajectories", COLUMNS, rows)
+
         trainer = Trainer(
             client=client,
             policy=policy,
@@ -247,6 +263,7 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
             config=trainer_config,
             run_dir=run_dir,
             on_step=on_step,
+            on_rollouts=on_rollouts,
         )
         try:
             await _until_first_done(trainer.run(resume=cfg.resume), controller_task)

@@ -289,6 +289,8 @@ def test_the_controller_role_grants_exactly_what_it_needs() -> None:
     assert grants == {
         ("batch", "jobs"): {"create", "get", "list", "watch", "delete"},
         ("", "secrets"): {"create", "get", "list", "delete"},
+        ("", "pods"): {"list"},  # a finished Job's pods, to read their logs
+        ("", "pods/log"): {"get"},
         ("networking.k8s.io", "networkpolicies"): {"create", "get", "update"},
     }
     binding = find("RoleBinding", "agl-controller")

@@ -249,6 +249,46 @@ def test_a_failed_init_container_fails_the_pod_and_nothing_runs_after_it(
     assert "ran-after" not in (tmp_path / "logs" / "halted.log").read_text()
 
 
+def test_a_job_has_a_pod_on_the_node_whose_logs_the_api_server_serves(
+    cluster: Cluster, node: Callable[..., NodeSimulator], api: ApiClient, namespace: str
+) -> None:
+    """The pod the Job controller would make, bound to the simulator's Node: each
+    container's exit in its status before the Job ends, each container's own output
+    through the API server's ``pods/log`` (proxied to the node's kubelet), and the pod gone
+    with its Job."""
+    simulator = node()
+    cluster.create(_staged("logged", "echo one; echo two", "echo three; exit 5"))
+    assert cluster.wait_terminal("logged") == ("Failed", BACKOFF_LIMIT_EXCEEDED.reason)
+    core = k8s.CoreV1Api(api)
+    (pod,) = core.list_namespaced_pod(namespace, label_selector="job-name=logged").items
+    assert pod.spec.node_name == simulator.node_name
+    assert pod.metadata.owner_references[0].name == "logged"
+    assert pod.metadata.name.startswith("logged-")
+    assert pod.status.phase == "Failed"
+    (first,) = pod.status.init_container_statuses
+    (main,) = pod.status.container_statuses
+    assert (first.state.terminated.exit_code, first.state.terminated.reason) == (0, "Completed")
+    assert (main.state.terminated.exit_code, main.state.terminated.reason) == (5, "Error")
+    name = pod.metadata.name
+
+    def log(**options: Any) -> str:
+        # Raw: the client's own decoding of text/plain answers gives "b'...'".
+        answer = core.read_namespaced_pod_log(name, namespace, _preload_content=False, **options)
+        return answer.data.decode()
+
+    assert log(container="first") == "one\ntwo\n"
+    assert log(container="first", tail_lines=1) == "two\n"
+    assert log(limit_bytes=3) == "thr"  # the one container, by default
+    with pytest.raises(k8s.ApiException) as missing:
+        log(container="nope")
+    assert missing.value.status == 404
+    k8s.BatchV1Api(api).delete_namespaced_job("logged", namespace, propagation_policy="Background")
+    wait_for(
+        lambda: not core.list_namespaced_pod(namespace, label_selector="job-name=logged").items,
+        what="the pod deleted with its Job",
+    )
+
+
 def test_secret_key_ref_waits_for_the_secret(
     cluster: Cluster, node: Callable[..., NodeSimulator], tmp_path: Path, secrets_served: None
 ) -> None:

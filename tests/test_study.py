@@ -76,6 +76,16 @@ def test_a_second_start_skips_the_finished_runs(mini: Path) -> None:
     assert done.stderr.count("skipped") == 4 and "done in" not in done.stderr
 
 
+def test_a_start_with_some_seeds_still_reports_the_whole_study(mini: Path) -> None:
+    report = mini / "report-seed-1"
+    done = _study("mini", "--out", str(mini), "--seeds", "1", "--report", str(report))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("skipped") == 2  # seed 1 of each setting: done already
+    summary = (report / "summary.md").read_text()
+    assert "Every setting finished its 2 seeds." in summary
+    assert "| rollout+rollout_mean | 2 |" in summary
+
+
 def test_comparisons_are_holm_adjusted_and_name_what_the_seeds_support(mini: Path) -> None:
     study = load_study("mini")
     from agl.study.report import load_settings

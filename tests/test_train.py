@@ -18,8 +18,10 @@ from hydra import compose, initialize_config_dir
 
 from agl.core.run.build import backend_config
 from agl.core.run.errors import UserError
+from agl.core.trainer.trajectories import COLUMNS
 from agl.train import CONF, ROOT, check_choices, train
 from tests.train_runs import SMALL, one_line_error, recorded, run_train, trained_two_steps
+from tests.wandb_records import history, tables
 
 
 def _compose(overrides: list[str]):
@@ -147,7 +149,29 @@ def test_multirun_sweeps_two_strategies(tmp_path: Path) -> None:
     for run in runs:
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert any(row.get("samples", 0) > 0 for row in rows)
-        assert list((run / "wandb").glob("offline-run-*"))  # one W&B run per sweep run
+        (wandb_run,) = (run / "wandb").glob("offline-run-*")  # one W&B run per sweep run
+        # Read back from W&B's own log: each step's trajectories, train and validation.
+        logged = history(wandb_run)
+        val = [r for r in logged if "val/reward" in r]
+        assert val and all(
+            r["val/reward_ci95_low"] <= r["val/reward"] <= r["val/reward_ci95_high"] for r in val
+        )
+        train_tables, val_tables = (
+            tables(wandb_run, f"{mode}/trajectories") for mode in ("train", "val")
+        )
+        assert sorted(train_tables) == [1] and sorted(val_tables) == [0, 1]
+        (train_table,) = train_tables.values()
+        assert train_table["columns"] == COLUMNS
+        assert len(train_table["data"]) == 8  # of the step's 4 x 8 rollouts
+        # 8 of the 4 + 4 (the task's set and its uniform one): all of them.
+        assert all(len(t["data"]) == 8 for t in val_tables.values())
+        for row in train_table["data"]:
+            cell = dict(zip(COLUMNS, row, strict=True))
+            assert 0 <= cell["reward"] <= 1 and cell["turns"] >= 1
+            assert cell["samples"] >= 1 and "── sample 1 ──" in cell["conversation"]
+            assert len(cell["conversation"]) <= 4000
+            if run.name.startswith("1-tree"):
+                assert cell["samples"] == 1 and cell["breaks"] == ""
 
 
 def _descendants(pid: int) -> set[int]:

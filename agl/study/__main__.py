@@ -58,9 +58,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides.insert(0, args.study)
         args.study = "strategies"
     try:
-        study = load_study(args.study)
+        declared = load_study(args.study)
+        study = declared
         if args.seeds:
-            study = dataclasses.replace(study, seeds=args.seeds)
+            study = dataclasses.replace(declared, seeds=args.seeds)
+        # The report covers the whole study: what --seeds adds, and what it had already.
+        reported = dataclasses.replace(declared, seeds=sorted({*declared.seeds, *study.seeds}))
         unknown = sorted(set(args.only or ()) - set(study.settings))
         if unknown:
             raise UserError(f"no setting {', '.join(unknown)} in study {study.name}")
@@ -76,13 +79,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             + (f" in {result.seconds:.0f} s" if result.status != "skipped" else "")
             + "\n"
         )
-        build(study, out, report)
+        build(reported, out, report)
 
     failed = []
     if not args.report_only:
         results = run_study(study, out, args.overrides, args.only, on_run)
         failed = [r for r in results if r.status == "failed"]
-    written = build(study, out, report)
+    written = build(reported, out, report)
     if written is None:
         sys.stderr.write(f"agl.study: no finished run under {out}: no report\n")
         return 1

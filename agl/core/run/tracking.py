@@ -1,6 +1,7 @@
 """Where a run's metrics go: ``metrics.jsonl`` in the run folder (always) and W&B
 (offline unless ``WANDB_MODE`` says otherwise), with the sweep as the W&B group and the
-strategy choices as tags, so a dashboard compares a sweep's runs directly."""
+strategy choices as tags, so a dashboard compares a sweep's runs directly; and, in W&B
+only, tables (a step's sampled trajectories, ``agl.core.trainer.trajectories``)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,16 @@ class Tracker:
         self._file.flush()
         if self._wandb is not None:
             self._wandb.log(dict(metrics), step=step)
+
+    def log_table(
+        self, step: int, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+    ) -> None:
+        """A table at ``step`` (W&B only: metrics.jsonl holds numbers)."""
+        if self._wandb is not None and rows:
+            import wandb
+
+            table = wandb.Table(columns=list(columns), data=[list(r) for r in rows])
+            self._wandb.log({key: table}, step=step)
 
     def _rewrite(self, rows: list[dict[str, Any]]) -> None:
         self._file.close()

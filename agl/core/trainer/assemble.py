@@ -51,6 +51,7 @@ class FinishedRollout:
     # error and the reward alone (the collector also looks at the failed calls).
     cause: Cause | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)  # the task's, with the reward
+    input: Any = None  # the rollout's input, for what shows rollouts (not for training)
 
     def __post_init__(self) -> None:
         if self.cause is None:

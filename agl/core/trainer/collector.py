@@ -165,6 +165,7 @@ class Collector:
             invalid_calls=dict(read.invalid),
             cause=cause,
             metrics=metrics,
+            input=rollout.input,
         )
         group = self.groups[self._group_of[rid]]
         group.finished[rid] = finished

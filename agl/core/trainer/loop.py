@@ -54,6 +54,8 @@ from agl.core.trainer.collector import Collector, Group
 log = logging.getLogger(__name__)
 
 StepCallback = Callable[[int, dict[str, float]], None]
+# (step, "train" or "val", the rollouts): what a step trained on, or validated with.
+RolloutsCallback = Callable[[int, str, list[FinishedRollout]], None]
 
 
 # Makes ``policy_version`` the served weights (inference swap + gateway registration).
@@ -129,6 +131,7 @@ class Trainer:
         config: TrainerConfig,
         run_dir: Path,
         on_step: StepCallback | None = None,
+        on_rollouts: RolloutsCallback | None = None,
     ) -> None:
         self.client = client
         self.policy = policy
@@ -140,6 +143,7 @@ class Trainer:
         self.config = config
         self.run_dir = run_dir
         self.on_step = on_step or (lambda step, metrics: None)
+        self.on_rollouts = on_rollouts or (lambda step, mode, rollouts: None)
         self.collector = Collector(client, config.poll_s, decode=merge.decode)
         self.state = TrainerState()
 
@@ -161,6 +165,7 @@ class Trainer:
             metrics = await self._update(groups)
             metrics["time/rollout_s"] = waited
             step = self.state.step
+            self.on_rollouts(step, "train", [r for g in groups for r in g.rollouts()])
             if self.config.val_every and step % self.config.val_every == 0:
                 metrics |= await self._validate(step)
             if self.config.checkpoint_every and step % self.config.checkpoint_every == 0:
@@ -280,6 +285,7 @@ class Trainer:
         await self.collector.wait(lambda: self.collector.complete_count("val") >= len(sets))
         done = {g.group_id: g for g in self.collector.take_complete("val")}
         metrics: dict[str, float] = {"time/val_s": time.monotonic() - started}
+        self.on_rollouts(step, "val", [r for g in groups.values() for r in done[g].rollouts()])
         for name, group in groups.items():
             prefix = "val" if name is None else f"val/{name}"
             metrics |= validation_metrics(
@@ -351,16 +357,20 @@ def validation_metrics(
     rollouts: Sequence[FinishedRollout], prefix: str, agent_failures: AgentFailures
 ) -> dict[str, float]:
     """The validation reward over every rollout the agent ran (its failures as 0, unless
-    ``agent_failures`` drops them), its standard error, and the failures by kind; plus
-    the task's metrics."""
+    ``agent_failures`` drops them), its standard error and normal 95% interval, and the
+    failures by kind; plus the task's metrics."""
     scored = [reward for r in rollouts if (reward := r.scored_reward(agent_failures)) is not None]
     n = len(scored)
     mean = math.fsum(scored) / n if n else 0.0
     var = math.fsum((x - mean) ** 2 for x in scored) / (n - 1) if n > 1 else 0.0
     failed = [r for r in rollouts if r.cause is not None]
+    se = math.sqrt(var / n) if n else 0.0
     return {
         f"{prefix}/reward": mean,
-        f"{prefix}/reward_se": math.sqrt(var / n) if n else 0.0,
+        f"{prefix}/reward_se": se,
+        # The normal 95% interval, beside the mean: one W&B panel shows all three.
+        f"{prefix}/reward_ci95_low": mean - 1.96 * se,
+        f"{prefix}/reward_ci95_high": mean + 1.96 * se,
         f"{prefix}/rollouts": float(n),
         f"{prefix}/failed": float(sum(r.cause.agent for r in failed)),  # type: ignore[union-attr]
         f"{prefix}/left_out": float(len(rollouts) - n),

@@ -28,7 +28,7 @@ def select(data: bytes, tail_lines: int | None, limit_bytes: int | None) -> byte
     ``limit_bytes`` of those from their start."""
     if tail_lines is not None:
         lines = data.splitlines(keepends=True)
-        data = b"".join(lines[len(lines) - tail_lines :] if tail_lines > 0 else [])
+        data = b"".join(lines[max(len(lines) - tail_lines, 0) :] if tail_lines > 0 else [])
     if limit_bytes is not None:
         data = data[:limit_bytes]
     return data

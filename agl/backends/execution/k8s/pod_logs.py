@@ -34,6 +34,8 @@ def keep_tail(data: bytes, max_bytes: int, *, more_lines: bool = False) -> tuple
     newline = tail.find(b"\n")
     if 0 <= newline < len(tail) - 1:
         tail = tail[newline + 1 :]
+    else:  # one line longer than the cap: at least start at a character
+        tail = tail.lstrip(bytes(range(0x80, 0xC0)))
     return tail.decode("utf-8", "replace"), True
 
 
