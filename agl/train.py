@@ -107,6 +107,7 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
     from agl.core.run.console import Progress, summary
     from agl.core.run.datasets import DatasetError
     from agl.core.run.services import ChildGateway
+    from agl.core.run.task_services import ChildService
     from agl.core.run.tasks import Task, TaskConfig
     from agl.core.run.tracking import Tracker
     from agl.core.trainer.assemble import FinishedRollout
@@ -148,6 +149,15 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
         gateway.start()
         stack.callback(gateway.stop)
         log.info("trajectory viewer: %s/ui (admin token in %s)", gateway.url, gateway.token_file)
+        for spec in task.services:
+            service = ChildService(spec, run_dir / "services")
+            stack.callback(service.stop)
+            try:
+                service.start()
+            except (OSError, RuntimeError, TimeoutError) as error:
+                raise UserError(str(error)) from None
+            task.service_urls[f"{spec.name}_url"] = service.url
+            log.info("task service %s: %s", spec.name, service.url)
         if not cfg.resume:
             warm = task.warm_up(
                 loaded.model,

