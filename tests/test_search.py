@@ -113,3 +113,33 @@ def test_the_retriever_service_speaks_search_r1s_api(tmp_path: Path) -> None:
     finally:
         service.stop()
     assert service.process is not None and service.process.poll() is not None
+
+
+def test_no_search_baselines_hold_no_shortcut() -> None:
+    from experiments.search.baselines import echo, no_search_baselines
+
+    assert echo("What is the capital of the country where Lyon is?") == "Lyon"
+    assert echo("What is the capital of France?") == "France"
+    kinds = {"capital": 1.0, "country": 1.0, "two_hop": 1.0}
+    assert no_search_baselines(val_inputs(256, kinds=kinds))["best"] < 0.1
+
+
+def test_the_warm_up_script_searches_what_the_question_needs() -> None:
+    from experiments.search.warmup import calls_of, plan
+
+    index = Index(load_corpus("geonames"))
+    q = {
+        "question": "What is the capital of the country where Lyon is?",
+        "answers": ["Paris"],
+        "kind": "two_hop",
+    }
+    replies = plan(q, True, "Oslo")
+    assert replies == [
+        "<search> Lyon </search>",
+        "<search> France </search>",
+        "<answer> Paris </answer>",
+    ]
+    calls = calls_of(q, replies, Options(topk=2, prompt="short"), index)
+    assert [reply for _, reply in calls] == replies
+    assert "Its capital is Paris." in calls[2][0][-1]["content"]
+    assert plan(q, False, "Oslo") == ["<answer> Oslo </answer>"]

@@ -153,14 +153,19 @@ def draw_questions(
     names, weights = kind_weights(kinds)
     countries, cities = world().split(validation)
     with_cities = [c for c in countries if cities[c.iso]]
+    with_others = [c for c in with_cities if any(x.name != c.capital for x in cities[c.iso])]
     out = []
     for _ in range(n):
         kind = rng.choices(names, weights)[0]
         if kind == "capital":
             out.append(question(kind, rng.choice(countries), None))
-        else:
+        elif kind == "country":
             country = rng.choice(with_cities)
             out.append(question(kind, country, rng.choice(cities[country.iso])))
+        else:  # the capital itself would answer its own two-hop question
+            country = rng.choice(with_others)
+            others = [c for c in cities[country.iso] if c.name != country.capital]
+            out.append(question(kind, country, rng.choice(others)))
     return out
 
 

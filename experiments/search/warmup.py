@@ -1,0 +1,131 @@
+"""The search task's warm-up: the format, not the strategy.
+
+As in ``experiments.agentic.warmup``: an induction phase (the tiny model learns to copy,
+which it cannot learn from transcripts alone: ``../shared/NOTES.md``), then calls made by
+the harness itself against a scripted player, each a training row (the prompt as the
+server renders it, the loss on the reply and its end-of-turn token).
+
+The scripted player decides at random, per question, whether to search (``search_share``):
+- searching, it makes every search the question needs (its name, then for a two-hop
+  question the country the result names) and answers with what the results say;
+- otherwise it answers at once with a guess: the answer to another training question, of
+  any kind (a country or a capital, right only by chance).
+
+So the warmed model knows how to search, read and answer, and searches only some of the
+time: learning to search before every answer is left to RL. Training questions only
+(validation's held-out countries are never seen).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import torch
+
+from experiments.agentic.warmup import encode_reply, prompt_ids, rows_batch
+from experiments.guess.warmup import INDUCTION_LR, DropoutBPE, copying_phase, train_steps
+from experiments.search.baselines import echo
+from experiments.search.facts import train_inputs, world
+from experiments.search.harness import Hit, Message, Options, Question, play
+from experiments.search.retriever import Index, load_corpus
+
+STEPS = 600
+QUESTIONS_PER_STEP = 16
+LR = 5e-3
+DROPOUT = 0.1
+INDUCTION_STEPS = 300
+SEARCH_SHARE = 0.5
+
+
+def plan(q: dict[str, Any], search: bool, guess: str) -> list[str]:
+    """The scripted replies to question ``q``."""
+    if not search:
+        return [f"<answer> {guess} </answer>"]
+    name = echo(q["question"])
+    if q["kind"] == "two_hop":
+        country = next(c.country.name for c in world().cities if c.name == name)
+        return [
+            f"<search> {name} </search>",
+            f"<search> {country} </search>",
+            f"<answer> {q['answers'][0]} </answer>",
+        ]
+    return [f"<search> {name} </search>", f"<answer> {q['answers'][0]} </answer>"]
+
+
+def calls_of(
+    q: dict[str, Any], replies: list[str], options: Options, index: Index
+) -> list[tuple[list[Message], str]]:
+    """Every call the harness makes for ``q`` when the model answers ``replies``."""
+    script = iter(replies)
+    calls: list[tuple[list[Message], str]] = []
+
+    async def ask(messages: list[Message], max_tokens: int) -> tuple[str, str | None]:
+        reply = next(script)
+        calls.append((messages, reply))
+        return reply, "length"  # the reply is whole: nothing to put back
+
+    async def retrieve(query: str, topk: int) -> list[Hit]:
+        return index.search([query], topk)[0]
+
+    coroutine = play(Question.from_input(q), options, ask, retrieve)
+    try:
+        coroutine.send(None)
+    except StopIteration:
+        return calls
+    coroutine.close()
+    raise RuntimeError("a scripted search waited on something")
+
+
+def warm_up(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    steps: int = STEPS,
+    questions_per_step: int = QUESTIONS_PER_STEP,
+    lr: float = LR,
+    seed: int = 0,
+    dropout: float = DROPOUT,
+    induction_steps: int = INDUCTION_STEPS,
+    search_share: float = SEARCH_SHARE,
+    kinds: dict[str, float] | None = None,
+    **options: Any,
+) -> dict[str, float]:
+    """Train ``model`` in place (the module's docstring); ``options`` are the harness's
+    (``Options``) and whatever else the task passes. Answers the losses and seconds."""
+    if steps < 1 or questions_per_step < 1 or not 0.0 <= search_share <= 1.0:
+        raise ValueError("warm_up needs steps, questions_per_step >= 1, search_share in [0, 1]")
+    harness = Options.from_input(options)
+    start = time.perf_counter()
+    metrics, rehearsal = copying_phase(
+        model, tokenizer, induction_steps, INDUCTION_LR, f"search-warmup-induction:{seed}"
+    )
+    index = Index(load_corpus("geonames"))
+    rng = random.Random(f"search-warmup:{seed}")
+    segment = DropoutBPE(tokenizer, dropout, random.Random(f"search-warmup-dropout:{seed}"))
+    step = 0
+
+    def batch() -> tuple[torch.Tensor, ...]:
+        nonlocal step
+        step += 1
+        questions = train_inputs(step, 2 * questions_per_step, seed=-1 - seed, kinds=kinds)
+        asked, guesses = questions[:questions_per_step], questions[questions_per_step:]
+        rows = []
+        for q, other in zip(asked, guesses, strict=True):
+            replies = plan(q, rng.random() < search_share, other["answers"][0])
+            for messages, reply in calls_of(q, replies, harness, index):
+                rows.append(
+                    (prompt_ids(tokenizer, messages), encode_reply(tokenizer, reply, segment))
+                )
+        return rows_batch(tokenizer, rows)
+
+    losses = train_steps(model, [batch, *rehearsal], steps, lr)
+    tail = losses[-10:]
+    return {
+        **metrics,
+        "loss": sum(tail) / len(tail),
+        "first_loss": losses[0],
+        "seconds": time.perf_counter() - start,
+        "steps": float(steps),
+    }
