@@ -4,6 +4,10 @@ the harness's protocol against the real index."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -143,3 +147,52 @@ def test_the_warm_up_script_searches_what_the_question_needs() -> None:
     assert [reply for _, reply in calls] == replies
     assert "Its capital is Paris." in calls[2][0][-1]["content"]
     assert plan(q, False, "Oslo") == ["<answer> Oslo </answer>"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+def test_no_retriever_outlives_a_stopped_run(tmp_path: Path, how: signal.Signals) -> None:
+    from tests.test_train import _alive, _descendants
+    from tests.train_runs import ROOT
+
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "agl.train",
+            "task=search",
+            "trainer.steps=1000",
+            "trainer.groups_per_step=2",
+            "trainer.group_size=2",
+            "trainer.val_size=2",
+            "trainer.checkpoint_every=0",
+            "task.warmup_options.steps=2",
+            "task.warmup_options.induction_steps=2",
+            "logging.wandb=false",
+            "logging.progress=false",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        assert time.monotonic() < deadline, "the run made no step"
+        time.sleep(0.2)
+    children = _descendants(process.pid)
+    retrievers = [
+        pid
+        for pid in children
+        if b"experiments.search.retriever" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(retrievers) == 1
+    process.send_signal(how)
+    process.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in children):
+        assert time.monotonic() < deadline, [p for p in children if _alive(p)]
+        time.sleep(0.1)
