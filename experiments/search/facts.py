@@ -132,6 +132,7 @@ def question(kind: str, country: Country, city: City | None) -> dict[str, Any]:
         "answers": [country.capital],
         "kind": kind,
         "hops": 2,
+        "via": country.name,  # what the first search finds
     }
 
 
@@ -148,10 +149,21 @@ def kind_weights(kinds: Mapping[str, float] | None) -> tuple[list[str], list[flo
 def draw_questions(
     rng: random.Random, n: int, validation: bool, kinds: Mapping[str, float] | None
 ) -> list[dict[str, Any]]:
-    """``n`` questions over one side of the split: a kind, then a country uniformly (so no
-    country with thousands of cities dominates), then one of its cities."""
-    names, weights = kind_weights(kinds)
+    """``n`` questions over one side of the split (``draw_from``)."""
     countries, cities = world().split(validation)
+    return draw_from(rng, n, countries, cities, kinds)
+
+
+def draw_from(
+    rng: random.Random,
+    n: int,
+    countries: list[Country],
+    cities: Mapping[str, list[City]],
+    kinds: Mapping[str, float] | None,
+) -> list[dict[str, Any]]:
+    """``n`` questions: a kind, then a country uniformly (so no country with thousands of
+    cities dominates), then one of its cities."""
+    names, weights = kind_weights(kinds)
     with_cities = [c for c in countries if cities[c.iso]]
     with_others = [c for c in with_cities if any(x.name != c.capital for x in cities[c.iso])]
     out = []

@@ -9,7 +9,8 @@ built.
 
 ``python -m experiments.search.retriever corpus=geonames host=127.0.0.1 port=8010``:
 ``corpus`` is ``geonames`` (``experiments.search.facts``) or a FlashRAG-style jsonl file
-(``{"id", "contents"}`` a line, Search-R1's ``wiki-18.jsonl``). A training run starts it
+(``{"id", "contents"}`` a line, Search-R1's ``wiki-18.jsonl``). ``retriever=dense
+encoder=<folder> device=cuda`` embeds it instead (``experiments.search.dense``). A training run starts it
 with the task (``task.services``) and stops it with the run.
 """
 
@@ -21,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -57,6 +58,12 @@ def load_corpus(corpus: str) -> list[dict[str, str]]:
 
         return passages(world())
     return read_corpus(corpus)
+
+
+class Searchable(Protocol):
+    rows: list[dict[str, str]]
+
+    def search(self, queries: Sequence[str], topk: int) -> list[list[dict[str, Any]]]: ...
 
 
 class Index:
@@ -101,7 +108,7 @@ class RetrieveRequest(BaseModel):
     return_scores: bool = False
 
 
-def create_app(index: Index) -> Any:
+def create_app(index: Searchable) -> Any:
     from fastapi import FastAPI, HTTPException
 
     app = FastAPI(title="agl retriever")
@@ -128,6 +135,32 @@ class RetrieverConfig:
     host: str = "127.0.0.1"
     port: int = 8010
     log_level: str = "warning"
+    retriever: str = "bm25"  # bm25 | dense (experiments.search.dense)
+    # dense only: an encoder folder (e5-base-v2 for Search-R1), where it runs, its pooling
+    encoder: str = ""
+    device: str = "cpu"
+    pooling: str = "mean"
+    query_prefix: str = "query: "
+    passage_prefix: str = "passage: "
+
+
+def build_index(config: RetrieverConfig) -> Searchable:
+    """The index ``config`` names, over its corpus."""
+    rows = load_corpus(config.corpus)
+    if config.retriever == "bm25":
+        return Index(rows)
+    if config.retriever != "dense":
+        raise ValueError(f"retriever={config.retriever!r}: bm25 or dense")
+    from experiments.search.dense import DenseIndex
+
+    return DenseIndex(
+        rows,
+        config.encoder,
+        device=config.device,
+        pooling=config.pooling,
+        query_prefix=config.query_prefix,
+        passage_prefix=config.passage_prefix,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     logging.basicConfig(level=config.log_level.upper())
     try:
-        index = Index(load_corpus(config.corpus))
+        index = build_index(config)
     except (OSError, ValueError) as error:
         sys.exit(f"experiments.search.retriever: corpus={config.corpus}: {error}")
     log.info("retriever: %d passages on %s:%d", len(index.rows), config.host, config.port)

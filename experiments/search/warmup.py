@@ -5,11 +5,20 @@ which it cannot learn from transcripts alone: ``../shared/NOTES.md``), then call
 the harness itself against a scripted player, each a training row (the prompt as the
 server renders it, the loss on the reply and its end-of-turn token).
 
-The scripted player decides at random, per question, whether to search (``search_share``):
+The scripted player searches or answers at once, at the first call:
 - searching, it makes every search the question needs (its name, then for a two-hop
   question the country the result names) and answers with what the results say;
 - otherwise it answers at once with a guess: the answer to another training question, of
   any kind (a country or a capital, right only by chance).
+
+Half the searched questions (``invented_share``) are about invented places with their
+own passages (``experiments.search.invented``): names no memory holds, so the copies are
+learned as copies. Every question of a step is played searching, so both copies (the name into the query,
+the answer out of the results) are trained on all of them; the direct answers are extra
+first calls, as many as make the first call search with probability ``search_share``.
+Replies are canonically tokenized by default (``dropout`` 0): the answer is a copy of
+tokens the prompt holds, and BPE-dropout would make it a copy of other tokens, which the
+tiny model did not learn (README).
 
 So the warmed model knows how to search, read and answer, and searches only some of the
 time: learning to search before every answer is left to RL. Training questions only
@@ -27,16 +36,18 @@ import torch
 from experiments.agentic.warmup import encode_reply, prompt_ids, rows_batch
 from experiments.guess.warmup import INDUCTION_LR, DropoutBPE, copying_phase, train_steps
 from experiments.search.baselines import echo
-from experiments.search.facts import train_inputs, world
+from experiments.search.facts import draw_from, train_inputs
+from experiments.search.invented import invented_passages, invented_world
 from experiments.search.harness import Hit, Message, Options, Question, play
 from experiments.search.retriever import Index, load_corpus
 
 STEPS = 600
 QUESTIONS_PER_STEP = 16
 LR = 5e-3
-DROPOUT = 0.1
+DROPOUT = 0.0  # canonical replies: see the docstring
 INDUCTION_STEPS = 300
 SEARCH_SHARE = 0.5
+INVENTED_SHARE = 0.5  # of the searched questions: about invented places (invented.py)
 
 
 def plan(q: dict[str, Any], search: bool, guess: str) -> list[str]:
@@ -45,10 +56,9 @@ def plan(q: dict[str, Any], search: bool, guess: str) -> list[str]:
         return [f"<answer> {guess} </answer>"]
     name = echo(q["question"])
     if q["kind"] == "two_hop":
-        country = next(c.country.name for c in world().cities if c.name == name)
         return [
             f"<search> {name} </search>",
-            f"<search> {country} </search>",
+            f"<search> {q['via']} </search>",
             f"<answer> {q['answers'][0]} </answer>",
         ]
     return [f"<search> {name} </search>", f"<answer> {q['answers'][0]} </answer>"]
@@ -89,35 +99,59 @@ def warm_up(
     dropout: float = DROPOUT,
     induction_steps: int = INDUCTION_STEPS,
     search_share: float = SEARCH_SHARE,
+    invented_share: float = INVENTED_SHARE,
     kinds: dict[str, float] | None = None,
     **options: Any,
 ) -> dict[str, float]:
     """Train ``model`` in place (the module's docstring); ``options`` are the harness's
     (``Options``) and whatever else the task passes. Answers the losses and seconds."""
-    if steps < 1 or questions_per_step < 1 or not 0.0 <= search_share <= 1.0:
-        raise ValueError("warm_up needs steps, questions_per_step >= 1, search_share in [0, 1]")
+    if steps < 1 or questions_per_step < 1 or not 0.0 < search_share <= 1.0:
+        raise ValueError("warm_up needs steps, questions_per_step >= 1, search_share in (0, 1]")
+    if not 0.0 <= invented_share <= 1.0:
+        raise ValueError("warm_up needs invented_share in [0, 1]")
     harness = Options.from_input(options)
     start = time.perf_counter()
     metrics, rehearsal = copying_phase(
         model, tokenizer, induction_steps, INDUCTION_LR, f"search-warmup-induction:{seed}"
     )
-    index = Index(load_corpus("geonames"))
-    rng = random.Random(f"search-warmup:{seed}")
+    index = Index(load_corpus("geonames") + invented_passages())
+    invented = invented_world()
+    invented_cities: dict[str, list[Any]] = {c.iso: [] for c in invented.countries}
+    for city in invented.cities:
+        invented_cities[city.country.iso].append(city)
+    made = random.Random(f"search-warmup-invented:{seed}")
+    n_invented = round(questions_per_step * invented_share)
     segment = DropoutBPE(tokenizer, dropout, random.Random(f"search-warmup-dropout:{seed}"))
     step = 0
+
+    # Each question's whole search is a row set (every step trains both copies on all of
+    # them), and the direct answers come as extra first calls, as many as make the first
+    # call's choice ``search_share`` to search.
+    guesses_per_step = round(questions_per_step * (1.0 - search_share) / search_share)
 
     def batch() -> tuple[torch.Tensor, ...]:
         nonlocal step
         step += 1
-        questions = train_inputs(step, 2 * questions_per_step, seed=-1 - seed, kinds=kinds)
-        asked, guesses = questions[:questions_per_step], questions[questions_per_step:]
-        rows = []
-        for q, other in zip(asked, guesses, strict=True):
-            replies = plan(q, rng.random() < search_share, other["answers"][0])
-            for messages, reply in calls_of(q, replies, harness, index):
-                rows.append(
-                    (prompt_ids(tokenizer, messages), encode_reply(tokenizer, reply, segment))
-                )
+        n = questions_per_step + guesses_per_step
+        questions = train_inputs(step, n + guesses_per_step, seed=-1 - seed, kinds=kinds)
+        searched, guessed, others = (
+            questions[:questions_per_step],
+            questions[questions_per_step:n],
+            questions[n:],
+        )
+        searched = searched[n_invented:] + draw_from(
+            made, n_invented, list(invented.countries), invented_cities, kinds
+        )
+        scripts = [(q, plan(q, True, "")) for q in searched]
+        scripts += [
+            (q, plan(q, False, other["answers"][0]))
+            for q, other in zip(guessed, others, strict=True)
+        ]
+        rows = [
+            (prompt_ids(tokenizer, messages), encode_reply(tokenizer, reply, segment))
+            for q, replies in scripts
+            for messages, reply in calls_of(q, replies, harness, index)
+        ]
         return rows_batch(tokenizer, rows)
 
     losses = train_steps(model, [batch, *rehearsal], steps, lr)
