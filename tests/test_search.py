@@ -138,6 +138,7 @@ def test_the_warm_up_script_searches_what_the_question_needs() -> None:
         "question": "What is the capital of the country where Lyon is?",
         "answers": ["Paris"],
         "kind": "two_hop",
+        "via": "France",
     }
     replies = plan(q, True, "Oslo")
     assert replies == [
@@ -149,6 +150,23 @@ def test_the_warm_up_script_searches_what_the_question_needs() -> None:
     assert [reply for _, reply in calls] == replies
     assert "Its capital is Paris." in calls[2][0][-1]["content"]
     assert plan(q, False, "Oslo") == ["<answer> Oslo </answer>"]
+
+
+def test_invented_places_are_new_names_their_passages_find() -> None:
+    """The warm-up's invented world: no name twice, none a real place's, and a search for
+    a name finds its own passage first in the warm-up's index."""
+    from experiments.search.invented import invented_passages, invented_world
+
+    made, real = invented_world(), world()
+    names = [c.name for c in made.countries] + [c.name for c in made.cities]
+    assert len(names) == len(set(names)) == 5000
+    real_names = {c.name for c in real.countries} | {c.name for c in real.cities}
+    assert not real_names & set(names)
+    assert all(c.capital in {x.name for x in made.cities if x.country == c} for c in made.countries)
+    index = Index(load_corpus("geonames") + invented_passages())
+    for place in [*made.countries[:20], *made.cities[:20]]:
+        top = index.search([place.name], 1)[0][0]["document"]
+        assert top["contents"].startswith(f'"{place.name}"'), place
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -247,22 +265,26 @@ def test_every_fixture_question_is_answered_through_its_flashrag_corpus() -> Non
     task = search_r1_task()
     index = Index(load_corpus(task.services[0].args["corpus"]))
     hops = {"what is the capital of the country where marie curie was born": ["Marie Curie"]}
-    for x in task.val_inputs(4):
-        searches = [*hops.get(x["question"], []), x["question"]]
-        replies = iter(
-            [(f"<search> {s} ", "stop") for s in searches]
-            + [(f"<answer> {x['answers'][0]} ", "stop")]
-        )
-        seen: list[str] = []
+
+    def scripted(replies: list[str], seen: list[str]) -> tuple[Any, Any]:
+        script = iter(replies)
 
         async def ask(messages, max_tokens):
-            return next(replies)
+            return next(script), "stop"
 
         async def retrieve(query, topk):
             hits = index.search([query], topk)[0]
             seen.extend(str(h["document"]["contents"]) for h in hits)
             return hits
 
+        return ask, retrieve
+
+    for x in task.val_inputs(4):
+        searches = [*hops.get(x["question"], []), x["question"]]
+        seen: list[str] = []
+        ask, retrieve = scripted(
+            [f"<search> {s} " for s in searches] + [f"<answer> {x['answers'][0]} "], seen
+        )
         episode = asyncio.run(play(Question.from_input(x), Options.from_input(x), ask, retrieve))
         assert episode.reward == 1.0
         assert any(x["answers"][0].lower() in text.lower() for text in seen), x["question"]
@@ -352,3 +374,22 @@ def test_the_gpu_recipe_composes_into_configs_agl_accepts() -> None:
     retriever = RetrieverConfig(**spec.args)
     assert (retriever.retriever, retriever.device) == ("dense", "cuda")
     assert Options.from_input({**task.options, **task.sampling}).prompt == "search_r1"
+
+
+def test_the_history_options_show_in_the_merge_structure() -> None:
+    """``full`` extends every call, so prefix keeps one sample unless a reply retokenizes
+    (BPE-dropout), which stitch mends; ``short`` rewrites older results, which splits
+    prefix and stitch and leaves tree one sample (experiments/search/structure.py)."""
+    from experiments.agentic.structure import structure
+    from experiments.search.structure import rollouts
+
+    index = Index(load_corpus("geonames"))
+    full, short = (rollouts(h, 30, 0, 0.0, index) for h in ("full", "short"))
+    sampled = rollouts("full", 30, 0, 0.2, index)
+    assert all(len(r) >= 2 for r in full)  # each one a search and an answer at least
+    assert structure(full, "prefix").samples_per_rollout == 1.0
+    assert structure(full, "independent").samples_per_rollout > 2.0
+    assert structure(sampled, "prefix").samples_per_rollout > 1.0
+    assert structure(sampled, "stitch").samples_per_rollout == 1.0
+    assert structure(short, "stitch").samples_per_rollout > 1.0
+    assert structure(short, "tree").samples_per_rollout == 1.0

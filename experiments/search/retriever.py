@@ -10,8 +10,8 @@ built.
 ``python -m experiments.search.retriever corpus=geonames host=127.0.0.1 port=8010``:
 ``corpus`` is ``geonames`` (``experiments.search.facts``) or a FlashRAG-style jsonl file
 (``{"id", "contents"}`` a line, Search-R1's ``wiki-18.jsonl``). ``retriever=dense
-encoder=<folder> device=cuda`` embeds it instead (``experiments.search.dense``). A training run starts it
-with the task (``task.services``) and stops it with the run.
+encoder=<folder> device=cuda`` embeds it instead (``experiments.search.dense``). A
+training run starts it with the task (``task.services``) and stops it with the run.
 """
 
 from __future__ import annotations

@@ -11,11 +11,12 @@ The scripted player searches or answers at once, at the first call:
 - otherwise it answers at once with a guess: the answer to another training question, of
   any kind (a country or a capital, right only by chance).
 
-Half the searched questions (``invented_share``) are about invented places with their
-own passages (``experiments.search.invented``): names no memory holds, so the copies are
-learned as copies. Every question of a step is played searching, so both copies (the name into the query,
+Every question of a step is played searching, so both copies (the name into the query,
 the answer out of the results) are trained on all of them; the direct answers are extra
 first calls, as many as make the first call search with probability ``search_share``.
+Half the searched questions (``invented_share``) are about invented places with their
+own passages (``experiments.search.invented``): names no memory holds, so the copies are
+learned as copies.
 Replies are canonically tokenized by default (``dropout`` 0): the answer is a copy of
 tokens the prompt holds, and BPE-dropout would make it a copy of other tokens, which the
 tiny model did not learn (README).
@@ -29,16 +30,23 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from experiments.agentic.warmup import encode_reply, prompt_ids, rows_batch
-from experiments.guess.warmup import INDUCTION_LR, DropoutBPE, copying_phase, train_steps
+from experiments.guess.warmup import (
+    INDUCTION_BATCH,
+    INDUCTION_LR,
+    DropoutBPE,
+    ordinary_tokens,
+    train_steps,
+)
 from experiments.search.baselines import echo
 from experiments.search.facts import draw_from, train_inputs
-from experiments.search.invented import invented_passages, invented_world
 from experiments.search.harness import Hit, Message, Options, Question, play
+from experiments.search.invented import invented_passages, invented_world
 from experiments.search.retriever import Index, load_corpus
 
 STEPS = 600
@@ -48,6 +56,36 @@ DROPOUT = 0.0  # canonical replies: see the docstring
 INDUCTION_STEPS = 300
 SEARCH_SHARE = 0.5
 INVENTED_SHARE = 0.5  # of the searched questions: about invented places (invented.py)
+
+
+_IGNORE = -100  # the label HF's loss skips
+
+
+def induction_batch(
+    rng: random.Random, tokens: Sequence[int], size: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``size`` rows of a random string (3-12 tokens) at a random place, random tokens
+    after it, then the string again, the labels on the repeat (its first token
+    excepted). The string's length and the gap vary, so no fixed offset predicts the
+    repeat: only looking back for the current token and copying the one after it does.
+    (``experiments.guess.warmup``'s strings of 16 tokens twice can be learned as "copy
+    from 16 back", and the copy of a name then fails: README.)"""
+    rows = []
+    for _ in range(size):
+        string = [rng.choice(tokens) for _ in range(rng.randint(3, 12))]
+        before = [rng.choice(tokens) for _ in range(rng.randint(0, 8))]
+        gap = [rng.choice(tokens) for _ in range(rng.randint(1, 16))]
+        rows.append((before + string + gap, string))
+    width = max(len(head) + len(string) for head, string in rows)
+    ids = torch.full((size, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((size, width), dtype=torch.long)
+    labels = torch.full((size, width), _IGNORE, dtype=torch.long)
+    for row, (head, string) in enumerate(rows):
+        full = head + string
+        ids[row, : len(full)] = torch.tensor(full)
+        attention[row, : len(full)] = 1
+        labels[row, len(head) + 1 : len(full)] = torch.tensor(string[1:])
+    return ids, attention, labels
 
 
 def plan(q: dict[str, Any], search: bool, guess: str) -> list[str]:
@@ -111,9 +149,14 @@ def warm_up(
         raise ValueError("warm_up needs invented_share in [0, 1]")
     harness = Options.from_input(options)
     start = time.perf_counter()
-    metrics, rehearsal = copying_phase(
-        model, tokenizer, induction_steps, INDUCTION_LR, f"search-warmup-induction:{seed}"
-    )
+    copies = random.Random(f"search-warmup-induction:{seed}")
+    tokens = ordinary_tokens(tokenizer)
+
+    def copying() -> tuple[torch.Tensor, ...]:
+        return induction_batch(copies, tokens, INDUCTION_BATCH, tokenizer.pad_token_id)
+
+    induction = train_steps(model, [copying], induction_steps, INDUCTION_LR)
+    metrics = {"induction_loss": sum(induction[-10:]) / max(1, len(induction[-10:]))}
     index = Index(load_corpus("geonames") + invented_passages())
     invented = invented_world()
     invented_cities: dict[str, list[Any]] = {c.iso: [] for c in invented.countries}
@@ -154,7 +197,7 @@ def warm_up(
         ]
         return rows_batch(tokenizer, rows)
 
-    losses = train_steps(model, [batch, *rehearsal], steps, lr)
+    losses = train_steps(model, [batch, copying], steps, lr)
     tail = losses[-10:]
     return {
         **metrics,
