@@ -78,6 +78,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def end_process(process: subprocess.Popen[bytes] | None) -> None:
+    """Terminate ``process`` if it runs, and kill it if it is not gone within 10 s."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+
+
 def connect_host(host: str) -> str:
     """Where to reach a server bound to ``host``: loopback for a wildcard address, an IPv6
     literal in brackets (a URL's form)."""
@@ -208,11 +220,4 @@ class ChildGateway:
         with self._lock:
             self._stopping = True
             process = self.process
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        end_process(process)

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from agl.core.run.services import die_with_parent, free_port
+from agl.core.run.services import die_with_parent, end_process, free_port
 
 
 @dataclass(frozen=True)
@@ -99,12 +99,4 @@ class ChildService:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        process = self.process
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        end_process(self.process)
