@@ -152,21 +152,72 @@ def test_the_warm_up_script_searches_what_the_question_needs() -> None:
     assert plan(q, False, "Oslo") == ["<answer> Oslo </answer>"]
 
 
-def test_invented_places_are_new_names_their_passages_find() -> None:
-    """The warm-up's invented world: no name twice, none a real place's, and a search for
-    a name finds its own passage first in the warm-up's index."""
-    from experiments.search.invented import invented_passages, invented_world
+def test_invented_places_are_new_real_looking_names() -> None:
+    """The warm-up's places: a new name for every question, none a real place's, drawn
+    from the seed alone, and their passages are what the real corpus says of a place."""
+    import random
 
-    made, real = invented_world(), world()
-    names = [c.name for c in made.countries] + [c.name for c in made.cities]
-    assert len(names) == len(set(names)) == 5000
-    real_names = {c.name for c in real.countries} | {c.name for c in real.cities}
-    assert not real_names & set(names)
-    assert all(c.capital in {x.name for x in made.cities if x.country == c} for c in made.countries)
-    index = Index(load_corpus("geonames") + invented_passages())
-    for place in [*made.countries[:20], *made.cities[:20]]:
-        top = index.search([place.name], 1)[0][0]["document"]
-        assert top["contents"].startswith(f'"{place.name}"'), place
+    from experiments.search.invented import invented_name, invented_question
+
+    real = world()
+    real_names = {c.name.lower() for c in real.countries} | {
+        c.capital.lower() for c in real.countries
+    }
+    real_names |= {c.name.lower() for c in real.cities}
+    names = [invented_name(random.Random(f"t:{i}")) for i in range(300)]
+    assert not real_names & {n.lower() for n in names}
+    assert len(set(names)) > 290  # new every time (a chain over ~18k names rarely repeats)
+    assert all(3 <= len(n) <= 24 and n.isascii() for n in names)
+    assert names == [invented_name(random.Random(f"t:{i}")) for i in range(300)]
+    rng = random.Random(0)
+    kinds = {"capital": 1.0, "country": 1.0, "two_hop": 1.0}
+    for _ in range(30):
+        q, places = invented_question(rng, kinds)
+        if q["kind"] == "capital":
+            country = echo_name(q["question"])
+            assert places[country].endswith(f"Its capital is {q['answers'][0]}.")
+        else:
+            city = echo_name(q["question"])
+            country = q.get("via", q["answers"][0])
+            assert places[city] == f'"{city}"\n{city} is a city in {country}.'
+
+
+def echo_name(question: str) -> str:
+    from experiments.search.baselines import echo
+
+    return echo(question)
+
+
+def test_the_warm_up_plays_invented_places_through_the_harness() -> None:
+    """A scripted two-hop search of an invented place finds each passage by its exact
+    name, ahead of the real index's hits, and its calls make one training row under
+    ``full`` (the whole text learned, or the replies only) and two under ``window``, which drops the first search from the third call."""
+    import random
+
+    from agl.backends.inference.models import load_model
+    from experiments.guess.warmup import DropoutBPE
+    from experiments.search.invented import invented_question
+    from experiments.search.warmup import InventedIndex, calls_of, episode_rows, plan
+
+    tokenizer = load_model("tiny").tokenizer
+    q, places = invented_question(random.Random(3), {"two_hop": 1.0})
+    index = InventedIndex(places, Index(load_corpus("geonames")))
+    calls = calls_of(q, plan(q, True, ""), Options(topk=2, prompt="short"), index)
+    assert [reply for _, reply in calls][-1] == f"<answer> {q['answers'][0]} </answer>"
+    assert f"Its capital is {q['answers'][0]}." in calls[2][0][-1]["content"]
+    assert calls[1][0][-1]["content"].count("Doc ") == 2  # the place, then a real hit
+    segment = DropoutBPE(tokenizer, 0.0, random.Random(0))
+    ((ids, mask),) = episode_rows(tokenizer, calls, segment, "all")
+    assert set(mask) == {1} and tokenizer.decode(ids).endswith("</answer><|im_end|>")
+    ((same, replies),) = episode_rows(tokenizer, calls, segment, "replies")
+    assert same == ids and 0 < sum(replies) < len(ids)
+    learned = tokenizer.decode([t for t, m in zip(ids, replies, strict=True) if m])
+    assert learned.count("<|im_end|>") == 3 and "<search>" in learned and "Doc" not in learned
+    windowed = calls_of(
+        q, plan(q, True, ""), Options(topk=1, prompt="short", history="window"), index
+    )
+    # the second call extends the first; the third shows only the last turn: a row of its own
+    assert len(episode_rows(tokenizer, windowed, segment, "all")) == 2
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -187,7 +238,6 @@ def test_no_retriever_outlives_a_stopped_run(tmp_path: Path, how: signal.Signals
             "trainer.val_size=2",
             "trainer.checkpoint_every=0",
             "task.warmup_options.steps=2",
-            "task.warmup_options.induction_steps=2",
             "logging.wandb=false",
             "logging.progress=false",
             f"hydra.run.dir={tmp_path}",

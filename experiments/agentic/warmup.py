@@ -44,7 +44,14 @@ from experiments.agentic.harness import (
     play,
     report_text,
 )
-from experiments.guess.warmup import INDUCTION_LR, Deck, DropoutBPE, copying_phase, train_steps
+from experiments.guess.warmup import (
+    INDUCTION_LR,
+    Deck,
+    DropoutBPE,
+    copying_phase,
+    masked_batch,
+    train_steps,
+)
 
 STEPS = 300
 GAMES_PER_STEP = 8  # ~20 calls: each one a row
@@ -57,7 +64,6 @@ _MARKERS = re.compile(
 )
 _QUESTION = re.compile(r"Tool output: Checked \d+: (higher|lower)\. Left: ([\d ]+)\. Report it\.")
 _TOLD = re.compile(r"(\d+) to (\d+)")
-_IGNORE = -100
 
 Row = tuple[list[int], list[int]]  # prompt ids, reply ids (with the end-of-turn token)
 
@@ -128,16 +134,10 @@ def transcripts(
 
 def rows_batch(tokenizer: Any, rows: Sequence[Row]) -> tuple[torch.Tensor, ...]:
     """Right-padded ids, attention mask and labels (-100 off the replies)."""
-    width = max(len(p) + len(r) for p, r in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    labels = torch.full((len(rows), width), _IGNORE, dtype=torch.long)
-    for i, (prompt, reply) in enumerate(rows):
-        n = len(prompt) + len(reply)
-        ids[i, :n] = torch.tensor(prompt + reply)
-        attention[i, :n] = 1
-        labels[i, len(prompt) : n] = torch.tensor(reply)
-    return ids, attention, labels
+    return masked_batch(
+        tokenizer,
+        [(prompt + reply, [0] * len(prompt) + [1] * len(reply)) for prompt, reply in rows],
+    )
 
 
 def warm_up(

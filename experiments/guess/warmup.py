@@ -205,13 +205,20 @@ def _batch(
         )
         for _ in range(size)
     ]
-    width = max(len(ids) for ids, _ in games)
-    ids = torch.full((size, width), tokenizer.pad_token_id, dtype=torch.long)
-    attention = torch.zeros((size, width), dtype=torch.long)
-    labels = torch.full((size, width), _IGNORE, dtype=torch.long)
-    for row, (game_ids, mask) in enumerate(games):
-        n = len(game_ids)
-        ids[row, :n] = torch.tensor(game_ids)
+    return masked_batch(tokenizer, games)
+
+
+def masked_batch(
+    tokenizer: Any, rows: Sequence[tuple[list[int], list[int]]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids, attention mask and labels (-100 where a row's 0/1 mask is 0)."""
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    labels = torch.full((len(rows), width), _IGNORE, dtype=torch.long)
+    for row, (row_ids, mask) in enumerate(rows):
+        n = len(row_ids)
+        ids[row, :n] = torch.tensor(row_ids)
         attention[row, :n] = 1
         labels[row, :n] = torch.where(torch.tensor(mask) == 1, ids[row, :n], _IGNORE)
     return ids, attention, labels

@@ -1,64 +1,92 @@
-"""Invented countries and cities for the warm-up: names made of random syllables, so the
-only way to write one into a query, or out of a result into an answer, is to copy it.
+"""Invented places for the warm-up: a fresh country or city for every question, named by
+a character model of real names, so that the only way to write a name into a query, or
+an answer out of a result, is to copy it.
 
-The tiny model remembers the few hundred real names it is warmed up on and writes them
-from memory instead of copying: warmed on real facts alone, it searched for a held-out
-country's name exactly 0 times in 100 while it copied answers out of the results every
-time (README). Questions about invented places, asked and answered as the real ones, with
-their own passages, teach the copy itself. None is a real place's name, and validation
-never sees one.
+The tiny model remembers any fixed set of names it is warmed up on and writes them from
+memory instead of copying: warmed on real facts, it searched for a held-out country's
+name exactly 0 times in 100; with 1,000 invented countries and 4,000 cities beside them,
+3 times in 100 (README). A name drawn afresh for every question cannot be remembered, so
+the gradient on it can only teach the copy.
+
+The names come from an order-3 character Markov chain over the training side's real
+names (countries, capitals and cities of the countries validation never asks about), so
+they are spelled, and tokenized, like the real ones the model must copy later; none is a
+real place's name (held-out ones included).
 """
 
 from __future__ import annotations
 
 import functools
 import random
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
 
-from experiments.search.facts import City, Country, World, passages, world
+from experiments.search.facts import (
+    City,
+    Country,
+    World,
+    kind_weights,
+    passages,
+    question,
+    world,
+)
 
-ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "tr", "sh")
-VOWELS = ("a", "e", "i", "o", "u", "ia", "ou")
-CODAS = ("", "", "", "n", "r", "s", "l", "m")
-CITIES_PER_COUNTRY = 4
-
-
-def invented_name(rng: random.Random) -> str:
-    syllables = [
-        rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS)
-        for _ in range(rng.randint(2, 3))
-    ]
-    return "".join(syllables).capitalize()
+ORDER = 3  # characters of context per draw
+MIN_CHARS, MAX_CHARS = 3, 24  # as the real names kept (facts.world)
+_START, _END = "\x02", "\x03"
 
 
 @functools.cache
-def invented_world(countries: int = 1000, seed: int = 0) -> World:
-    """``countries`` invented countries, each with a capital and ``CITIES_PER_COUNTRY``
-    cities (the capital one of them); every name unique and no real one."""
+def _chain() -> tuple[dict[str, tuple[str, ...]], frozenset[str], tuple[str, ...]]:
+    """The chain's successors per context, every real name (lowercased) and the real
+    continents."""
     real = world()
-    taken = {c.name.lower() for c in real.countries}
-    taken |= {c.capital.lower() for c in real.countries} | {c.name.lower() for c in real.cities}
-    continents = sorted({c.continent for c in real.countries})
-    rng = random.Random(f"agl-search-invented:{seed}")
-
-    def fresh() -> str:
-        while True:
-            name = invented_name(rng)
-            if name.lower() not in taken:
-                taken.add(name.lower())
-                return name
-
-    made: list[Country] = []
-    cities: list[City] = []
-    for i in range(countries):
-        names = [fresh() for _ in range(CITIES_PER_COUNTRY)]
-        country = Country(f"X{i}", fresh(), names[0], rng.choice(continents))
-        made.append(country)
-        cities += [City(name, country) for name in names]
-    return World(tuple(made), tuple(cities))
+    countries, cities = real.split(validation=False)
+    names = [c.name for c in countries] + [c.capital for c in countries]
+    names += [city.name for found in cities.values() for city in found]
+    successors: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        padded = _START * ORDER + name + _END
+        for i in range(ORDER, len(padded)):
+            successors[padded[i - ORDER : i]].append(padded[i])
+    taken = {c.name.lower() for c in real.countries} | {c.capital.lower() for c in real.countries}
+    taken |= {c.name.lower() for c in real.cities}
+    continents = tuple(sorted({c.continent for c in real.countries}))
+    return {k: tuple(v) for k, v in successors.items()}, frozenset(taken), continents
 
 
-def invented_passages(countries: int = 1000, seed: int = 0) -> list[dict[str, str]]:
-    """The invented world's passages, ids apart from the real ones'."""
-    return [
-        {**row, "id": f"invented-{row['id']}"} for row in passages(invented_world(countries, seed))
-    ]
+def invented_name(rng: random.Random) -> str:
+    """A new name, spelled like the real ones and none of them."""
+    successors, taken, _ = _chain()
+    while True:
+        name = ""
+        context = _START * ORDER
+        while len(name) <= MAX_CHARS:
+            char = rng.choice(successors[context])
+            if char == _END:
+                break
+            name += char
+            context = context[1:] + char
+        if MIN_CHARS <= len(name) <= MAX_CHARS and name.lower() not in taken:
+            return name
+
+
+def invented_question(
+    rng: random.Random, kinds: Mapping[str, float] | None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """A question of one of ``kinds`` (``facts.kind_weights``) about places invented for
+    it, and their passages by title (facts.passages' text: "X is a city in Y.")."""
+    names, weights = kind_weights(kinds)
+    kind = rng.choices(names, weights)[0]
+    *_, continents = _chain()
+    country = Country("XX", invented_name(rng), invented_name(rng), rng.choice(continents))
+    city = City(invented_name(rng), country)
+    places = passages_of(country, city if kind != "capital" else None)
+    return question(kind, country, None if kind == "capital" else city), places
+
+
+def passages_of(country: Country, city: City | None) -> dict[str, str]:
+    """The passages of a country and a city of it, by the name each is found by."""
+    rows = passages(World((country,), (city,) if city else ()))
+    return {row["contents"].partition("\n")[0].strip('"'): row["contents"] for row in rows}

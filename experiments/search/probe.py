@@ -7,7 +7,7 @@ how often the query is the question's name exactly, the result holds the gold an
 and the answer is right given that it does. The copies are what RL cannot learn from a
 reward it never sees, so they are checked here first (README: what the warm-ups taught).
 
-    python -m experiments.search.probe --warmup '{"steps": 900, "induction_steps": 600}'
+    python -m experiments.search.probe --warmup '{"steps": 900}'
 """
 
 from __future__ import annotations
