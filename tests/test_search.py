@@ -172,7 +172,8 @@ def test_invented_places_are_new_real_looking_names() -> None:
     rng = random.Random(0)
     kinds = {"capital": 1.0, "country": 1.0, "two_hop": 1.0}
     for _ in range(30):
-        q, places = invented_question(rng, kinds)
+        made = invented_question(rng, kinds)
+        q, places = made.question, made.passages()
         if q["kind"] == "capital":
             country = echo_name(q["question"])
             assert places[country].endswith(f"Its capital is {q['answers'][0]}.")
@@ -191,25 +192,33 @@ def echo_name(question: str) -> str:
 def test_the_warm_up_plays_invented_places_through_the_harness() -> None:
     """A scripted two-hop search of an invented place finds each passage by its exact
     name, ahead of the real index's hits, and its calls make one training row under
-    ``full`` (the whole text learned, or the replies only) and two under ``window``, which drops the first search from the third call."""
+    ``full`` (the whole text learned, or the replies only) and two under ``window``,
+    which drops the first search from the third call."""
     import random
 
     from agl.backends.inference.models import load_model
+    from experiments.agentic.warmup import prompt_ids
     from experiments.guess.warmup import DropoutBPE
     from experiments.search.invented import invented_question
     from experiments.search.warmup import InventedIndex, calls_of, episode_rows, plan
 
     tokenizer = load_model("tiny").tokenizer
-    q, places = invented_question(random.Random(3), {"two_hop": 1.0})
+    made = invented_question(random.Random(3), {"two_hop": 1.0})
+    q, places = made.question, made.passages()
     index = InventedIndex(places, Index(load_corpus("geonames")))
     calls = calls_of(q, plan(q, True, ""), Options(topk=2, prompt="short"), index)
     assert [reply for _, reply in calls][-1] == f"<answer> {q['answers'][0]} </answer>"
     assert f"Its capital is {q['answers'][0]}." in calls[2][0][-1]["content"]
     assert calls[1][0][-1]["content"].count("Doc ") == 2  # the place, then a real hit
     segment = DropoutBPE(tokenizer, 0.0, random.Random(0))
-    ((ids, mask),) = episode_rows(tokenizer, calls, segment, "all")
+
+    def rows(calls: Any, loss: str) -> list[tuple[list[int], list[int]]]:
+        prompts = [(prompt_ids(tokenizer, messages), reply) for messages, reply in calls]
+        return episode_rows(tokenizer, prompts, segment, loss)
+
+    ((ids, mask),) = rows(calls, "all")
     assert set(mask) == {1} and tokenizer.decode(ids).endswith("</answer><|im_end|>")
-    ((same, replies),) = episode_rows(tokenizer, calls, segment, "replies")
+    ((same, replies),) = rows(calls, "replies")
     assert same == ids and 0 < sum(replies) < len(ids)
     learned = tokenizer.decode([t for t, m in zip(ids, replies, strict=True) if m])
     assert learned.count("<|im_end|>") == 3 and "<search>" in learned and "Doc" not in learned
@@ -217,7 +226,7 @@ def test_the_warm_up_plays_invented_places_through_the_harness() -> None:
         q, plan(q, True, ""), Options(topk=1, prompt="short", history="window"), index
     )
     # the second call extends the first; the third shows only the last turn: a row of its own
-    assert len(episode_rows(tokenizer, windowed, segment, "all")) == 2
+    assert len(rows(windowed, "all")) == 2
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

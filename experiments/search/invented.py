@@ -20,6 +20,7 @@ import functools
 import random
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from experiments.search.facts import (
@@ -72,21 +73,27 @@ def invented_name(rng: random.Random) -> str:
             return name
 
 
-def invented_question(
-    rng: random.Random, kinds: Mapping[str, float] | None
-) -> tuple[dict[str, Any], dict[str, str]]:
+@dataclass(frozen=True)
+class Invented:
+    """A question about places invented for it."""
+
+    question: dict[str, Any]
+    country: Country
+    city: City | None  # None for a question about the country alone
+
+    def passages(self) -> dict[str, str]:
+        """The places' passages (facts.passages' text: "X is a city in Y.") by the name
+        each is found by."""
+        rows = passages(World((self.country,), (self.city,) if self.city else ()))
+        return {row["contents"].partition("\n")[0].strip('"'): row["contents"] for row in rows}
+
+
+def invented_question(rng: random.Random, kinds: Mapping[str, float] | None) -> Invented:
     """A question of one of ``kinds`` (``facts.kind_weights``) about places invented for
-    it, and their passages by title (facts.passages' text: "X is a city in Y.")."""
+    it."""
     names, weights = kind_weights(kinds)
     kind = rng.choices(names, weights)[0]
     *_, continents = _chain()
     country = Country("XX", invented_name(rng), invented_name(rng), rng.choice(continents))
-    city = City(invented_name(rng), country)
-    places = passages_of(country, city if kind != "capital" else None)
-    return question(kind, country, None if kind == "capital" else city), places
-
-
-def passages_of(country: Country, city: City | None) -> dict[str, str]:
-    """The passages of a country and a city of it, by the name each is found by."""
-    rows = passages(World((country,), (city,) if city else ()))
-    return {row["contents"].partition("\n")[0].strip('"'): row["contents"] for row in rows}
+    city = None if kind == "capital" else City(invented_name(rng), country)
+    return Invented(question(kind, country, city), country, city)

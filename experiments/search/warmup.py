@@ -31,16 +31,16 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from experiments.agentic.warmup import encode_reply, prompt_ids
-from experiments.guess.warmup import DropoutBPE, masked_batch, train_steps
+from experiments.guess.warmup import Batch, DropoutBPE, masked_batch, train_steps
 from experiments.search.baselines import echo
 from experiments.search.harness import Hit, Message, Options, Question, play
-from experiments.search.invented import invented_question
+from experiments.search.invented import Invented, invented_question
 from experiments.search.retriever import Index, Searchable, load_corpus
 
 # Measured on 2 CPU cores (README): with these the copies on held-out real questions,
@@ -114,15 +114,16 @@ def calls_of(
 
 
 def episode_rows(
-    tokenizer: Any, calls: Sequence[tuple[list[Message], str]], segment: DropoutBPE, loss: str
+    tokenizer: Any, calls: Sequence[tuple[list[int], str]], segment: DropoutBPE, loss: str
 ) -> list[tuple[list[int], list[int]]]:
-    """An episode's calls as training rows of ids and a 0/1 loss mask: a call whose prompt
-    extends the row so far continues it (``history=full``: one row an episode), any other
-    starts a row of its own. The mask covers every token, or with ``loss="replies"`` the
-    replies and their end-of-turn tokens."""
+    """An episode's calls (prompt ids as the server renders them, the reply's text) as
+    training rows of ids and a 0/1 loss mask: a call whose prompt extends the row so far
+    continues it (``history=full``: one row an episode), any other starts a row of its
+    own. The mask covers every token, or with ``loss="replies"`` the replies and their
+    end-of-turn tokens."""
     rows: list[tuple[list[int], list[int]]] = []
-    for messages, reply in calls:
-        prompt, answer = prompt_ids(tokenizer, messages), encode_reply(tokenizer, reply, segment)
+    for prompt, reply in calls:
+        answer = encode_reply(tokenizer, reply, segment)
         if rows and prompt[: len(rows[-1][0])] == rows[-1][0]:
             ids, mask = rows.pop()
             prompt, context_mask = prompt[len(ids) :], mask
@@ -131,6 +132,57 @@ def episode_rows(
         context = [1 if loss == "all" else 0] * len(prompt)
         rows.append((ids + prompt + answer, context_mask + context + [1] * len(answer)))
     return rows
+
+
+def step_episodes(
+    rng: random.Random, questions_per_step: int, search_share: float, kinds: Any
+) -> list[tuple[Invented, str | None]]:
+    """One step's episodes, each a question about invented places and the guess to answer
+    it with at once (None: search): every question searched, then the direct answers,
+    as many as make the first call search with probability ``search_share``; a guess is
+    the answer to another question of the step."""
+    made = [invented_question(rng, kinds) for _ in range(questions_per_step)]
+    episodes: list[tuple[Invented, str | None]] = [(place, None) for place in made]
+    for _ in range(round(questions_per_step * (1.0 - search_share) / search_share)):
+        place, other = rng.sample(made, 2)
+        episodes.append((place, other.question["answers"][0]))
+    return episodes
+
+
+def check_options(steps: int, questions_per_step: int, search_share: float, loss: str) -> None:
+    if steps < 1 or questions_per_step < 1 or not 0.0 < search_share <= 1.0:
+        raise ValueError("warm_up needs steps, questions_per_step >= 1, search_share in (0, 1]")
+    if loss not in LOSSES:
+        raise ValueError(f"warm_up's loss {loss!r}: choose one of {LOSSES}")
+
+
+def batches(
+    tokenizer: Any,
+    harness: Options,
+    *,
+    seed: int,
+    questions_per_step: int = QUESTIONS_PER_STEP,
+    search_share: float = SEARCH_SHARE,
+    loss: str = "all",
+    dropout: float = DROPOUT,
+    kinds: dict[str, float] | None = None,
+) -> Callable[[], Batch]:
+    """The warm-up's batches: one a call, each a step's episodes as rows."""
+    real = Index(load_corpus("geonames")) if harness.topk > 1 else None
+    rng = random.Random(f"search-warmup:{seed}")
+    segment = DropoutBPE(tokenizer, dropout, random.Random(f"search-warmup-dropout:{seed}"))
+
+    def batch() -> Batch:
+        rows = []
+        for place, guess in step_episodes(rng, questions_per_step, search_share, kinds):
+            q = place.question
+            replies = plan(q, guess is None, guess or "")
+            index = InventedIndex(place.passages(), real)
+            calls = [(prompt_ids(tokenizer, m), r) for m, r in calls_of(q, replies, harness, index)]
+            rows += episode_rows(tokenizer, calls, segment, loss)
+        return masked_batch(tokenizer, rows)
+
+    return batch
 
 
 def warm_up(
@@ -149,34 +201,18 @@ def warm_up(
 ) -> dict[str, float]:
     """Train ``model`` in place (the module's docstring); ``options`` are the harness's
     (``Options``) and whatever else the task passes. Answers the losses and seconds."""
-    if steps < 1 or questions_per_step < 1 or not 0.0 < search_share <= 1.0:
-        raise ValueError("warm_up needs steps, questions_per_step >= 1, search_share in (0, 1]")
-    if loss not in LOSSES:
-        raise ValueError(f"warm_up's loss {loss!r}: choose one of {LOSSES}")
-    harness = Options.from_input(options)
+    check_options(steps, questions_per_step, search_share, loss)
     start = time.perf_counter()
-    real = Index(load_corpus("geonames")) if harness.topk > 1 else None
-    rng = random.Random(f"search-warmup:{seed}")
-    segment = DropoutBPE(tokenizer, dropout, random.Random(f"search-warmup-dropout:{seed}"))
-    # The direct answers come as extra first calls, as many as make the first call's
-    # choice ``search_share`` to search.
-    guesses_per_step = round(questions_per_step * (1.0 - search_share) / search_share)
-
-    def batch() -> tuple[torch.Tensor, ...]:
-        made = [invented_question(rng, kinds) for _ in range(questions_per_step)]
-        scripts = [(q, plan(q, True, ""), places) for q, places in made]
-        for _ in range(guesses_per_step):
-            (q, places), (other, _) = rng.sample(made, 2)
-            scripts.append((q, plan(q, False, other["answers"][0]), places))
-        rows = [
-            row
-            for q, replies, places in scripts
-            for row in episode_rows(
-                tokenizer, calls_of(q, replies, harness, InventedIndex(places, real)), segment, loss
-            )
-        ]
-        return masked_batch(tokenizer, rows)
-
+    batch = batches(
+        tokenizer,
+        Options.from_input(options),
+        seed=seed,
+        questions_per_step=questions_per_step,
+        search_share=search_share,
+        loss=loss,
+        dropout=dropout,
+        kinds=kinds,
+    )
     losses = train_steps(model, [batch], steps, lr)
     tail = losses[-10:]
     return {

@@ -1,0 +1,170 @@
+"""An attempt's sandbox: a workspace with the task's files and a shell, in namespaces of
+its own, as LLM-in-Sandbox gives its agent a computer.
+
+The confinement is the coding task's (``experiments.swe.sandbox``): its own network
+(none), PID and mount namespaces, the machine's package indexes and caches and the
+trainer's home out of sight, run as ``nobody`` with every capability dropped and a
+whitelisted environment (no attempt key, no proxy address). Here it is made once per
+attempt rather than once per command: a command server (``shell_server.py``) starts in
+it and runs each of the agent's commands and file operations, so a command costs a
+``bash`` and not a namespace (RL on CPU runs thousands of attempts).
+
+The workspace (``<root>/<name>``, removed when the sandbox closes):
+
+- ``input/``: the task's files, read-only (hard links to files of root's, mode 0444: the
+  agent may read them, not change them for another attempt);
+- ``output/``: where the agent leaves its work (``output/answer.txt``).
+
+The sandbox dies with the process that opened it (``die_with_parent``: also on
+``kill -9`` of the trainer, whose workers die with it) and everything in it with the
+namespace's first process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agl.core.run.services import die_with_parent
+from experiments.swe.sandbox import Lockdown, default_hidden, sandboxed
+from experiments.swe.sandbox_entry import NOBODY
+
+SERVER = Path(__file__).with_name("shell_server.py")
+INPUT, OUTPUT = "input", "output"
+OUTPUT_LIMIT = 1 << 16  # bytes of a command's output the server keeps
+READ_LIMIT = 1 << 16
+
+
+class SandboxError(RuntimeError):
+    """The sandbox failed (not the agent's command): it could not start, or it died."""
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    exit: int
+    output: str
+    truncated: bool
+    timed_out: bool
+
+
+def make_workspace(root: Path, name: str, files: Mapping[str, Path | str]) -> Path:
+    """``root/name`` with ``input/`` and an empty ``output/``, the workspace and
+    ``output/`` the sandbox user's. ``files``: a name in ``input/`` -> a file of root's
+    (the tables' read-only copies), linked, or a text, written; root's and read-only."""
+    workspace = root / name
+    workspace.mkdir(parents=True)
+    (workspace / INPUT).mkdir()
+    (workspace / OUTPUT).mkdir()
+    for target, source in files.items():
+        if Path(target).name != target:
+            raise ValueError(f"an input file's name, not a path: {target!r}")
+        if isinstance(source, Path):
+            os.link(source, workspace / INPUT / target)
+        else:
+            (workspace / INPUT / target).write_text(source, encoding="utf-8")
+            os.chmod(workspace / INPUT / target, 0o444)
+    for folder in (workspace, workspace / OUTPUT):
+        os.chown(folder, NOBODY, NOBODY)
+    return workspace
+
+
+class Sandbox:
+    """One attempt's sandbox; ``async with Sandbox.open(...)``, then ``run``, ``read``,
+    ``write``. Requests go one at a time."""
+
+    def __init__(self, workspace: Path, process: asyncio.subprocess.Process) -> None:
+        self.workspace = workspace
+        self._process = process
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def open(cls, workspace: Path, hidden: tuple[Path, ...] = ()) -> Sandbox:
+        lockdown = Lockdown(
+            workspace=workspace, hidden=(*default_hidden(), *hidden), block_git=False
+        )
+        argv = sandboxed([sys.executable, "-I", "-c", SERVER.read_text()], lockdown)
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            preexec_fn=die_with_parent(),
+            limit=4 * OUTPUT_LIMIT,
+        )
+        return cls(workspace, process)
+
+    async def __aenter__(self) -> Sandbox:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    async def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        stdin, stdout = self._process.stdin, self._process.stdout
+        assert stdin is not None and stdout is not None
+        async with self._lock:
+            try:
+                stdin.write((json.dumps(request) + "\n").encode())
+                await stdin.drain()
+                line = await stdout.readline()
+            except (ConnectionError, ValueError) as error:
+                raise SandboxError(f"the sandbox's server failed: {error}") from None
+        if not line:
+            raise SandboxError(f"the sandbox died: {await self._stderr()}")
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict):
+            raise SandboxError(f"the sandbox's server answered {line[:200]!r}")
+        return reply
+
+    async def _stderr(self) -> str:
+        assert self._process.stderr is not None
+        try:
+            text = await asyncio.wait_for(self._process.stderr.read(4096), 5)
+        except TimeoutError:
+            text = b""
+        return text.decode("utf-8", "replace").strip() or f"exit {self._process.returncode}"
+
+    async def run(self, command: str, timeout: float) -> CommandResult:
+        reply = await self._ask(
+            {"op": "run", "command": command, "timeout": timeout, "limit": OUTPUT_LIMIT}
+        )
+        if "error" in reply:
+            return CommandResult(126, str(reply["error"]), False, False)
+        return CommandResult(
+            int(reply["exit"]),
+            str(reply["output"]),
+            bool(reply["truncated"]),
+            bool(reply["timed_out"]),
+        )
+
+    async def read(self, path: str, limit: int = READ_LIMIT) -> str:
+        """A file's text as the agent sees it (a link is not followed); ``OSError``."""
+        reply = await self._ask({"op": "read", "path": path, "limit": limit})
+        if "error" in reply:
+            raise OSError(reply["error"])
+        if "text" not in reply:
+            raise SandboxError(f"the sandbox's server answered {reply!r:.200}")
+        return str(reply["text"])
+
+    async def write(self, path: str, text: str) -> None:
+        reply = await self._ask({"op": "write", "path": path, "text": text})
+        if "error" in reply:
+            raise OSError(reply["error"])
+
+    async def close(self) -> None:
+        """Stop the server (everything in the namespace dies with it) and remove the
+        workspace."""
+        if self._process.returncode is None:
+            self._process.kill()
+        await self._process.wait()
+        shutil.rmtree(self.workspace, ignore_errors=True)
