@@ -17,7 +17,7 @@ import yaml
 
 from agl.core.run.errors import UserError
 from agl.core.run.history import Run
-from agl.study.report import Setting, comparisons, coverage_line
+from agl.study.report import Setting, comparisons, coverage_line, learning_lines
 from agl.study.spec import STUDIES, load_study, parse_study
 
 
@@ -106,6 +106,35 @@ def test_comparing_settings_without_noise() -> None:
     found = comparisons([_setting("a", [0.5, 0.5]), _setting("b", [0.625, 0.625])], "a")
     (c,) = [c for c in found if c.metric.key == "val/reward"]
     assert c.difference == pytest.approx(0.125) and c.supported
+
+
+def test_what_training_added_is_paired_by_seed() -> None:
+    """The gain is each seed's last value minus its own first: seeds that start apart
+    and each gain the same are a clear gain; a gain within the noise is no claim."""
+
+    def runs(name: str, pairs: list[tuple[float, float]]) -> Setting:
+        return Setting(
+            name,
+            [
+                Run(
+                    Path(f"{name}{i}"),
+                    {},
+                    [{"step": 0, "val/reward": a}, {"step": 5, "val/reward": b}],
+                )
+                for i, (a, b) in enumerate(pairs)
+            ],
+        )
+
+    clear, noise, lone = learning_lines(
+        [
+            runs("clear", [(0.1, 0.3), (0.5, 0.7), (0.3, 0.51)]),
+            runs("noise", [(0.5, 0.6), (0.5, 0.4), (0.5, 0.52)]),
+            runs("lone", [(0.1, 0.9)]),
+        ]
+    )
+    assert "**learned**" in clear and "at step 0" in clear and "at step 5" in clear
+    assert "not supported" in noise
+    assert "one seed" in lone
 
 
 def test_a_study_under_way_says_which_runs_it_lacks() -> None:

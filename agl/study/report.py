@@ -157,6 +157,36 @@ def baseline_lines(settings: Sequence[Setting], baselines: Sequence[Baseline]) -
     return lines
 
 
+LEARNED = "val/reward"  # what a run is meant to raise, before its first update and after
+
+
+def learning_lines(settings: Sequence[Setting], key: str = LEARNED) -> list[str]:
+    """What training added, per setting: ``key`` at the last step minus at the first
+    (step 0, before any update), paired by seed; supported when its whole interval lies
+    above 0."""
+    lines = []
+    for s in settings:
+        series = s.series(key)
+        if len(series) < 2:
+            continue
+        first, last = series[min(series)], series[max(series)]
+        gains = [b - a for a, b in zip(first, last, strict=True)]
+        ci = stats.interval(gains)
+        if ci.n < 2:
+            verdict = "one seed: no interval, no claim"
+        elif ci.low > 0:
+            p = stats.one_sample(gains, 0.0)
+            verdict = f"**learned**: the whole interval lies above 0 (p = {p:.3g})"
+        else:
+            verdict = "not supported by these seeds: the interval reaches 0"
+        lines.append(
+            f"- `{s.name}`: `{key}` {stats.interval(first).text()} at step {min(series)}, "
+            f"{stats.interval(last).text()} at step {max(series)}; the gain per seed "
+            f"{ci.text()}: {verdict}."
+        )
+    return lines
+
+
 def comparison_lines(found: Sequence[Comparison]) -> list[str]:
     lines = []
     for c in found:
@@ -267,6 +297,9 @@ def summary(study: Study, settings: Sequence[Setting]) -> str:
         markdown_table(table(settings, first=False)),
         "",
     ]
+    lines = learning_lines(settings)
+    if lines:
+        parts += ["## What training added", "", *lines, ""]
     lines = baseline_lines(settings, study.baselines)
     if lines:
         parts += ["## Against the baselines", "", *lines, ""]
