@@ -585,3 +585,24 @@ def test_no_sandbox_outlives_a_stopped_run(tmp_path: Path, how: str) -> None:
         assert time.monotonic() < deadline, [p for p in children if _alive(p)]
         time.sleep(0.1)
     assert not [pid for pid in seen if _alive(pid)]
+
+
+@needs_root
+def test_a_confined_harness_is_told_to_run_unconfined(tmp_path: Path) -> None:
+    """A harness whose worker dropped its capabilities (a confining controller) cannot
+    make a sandbox, and says what to run instead."""
+    snippet = (
+        "import asyncio, sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]);"
+        "from experiments.general.sandbox import Sandbox;"
+        "from experiments.swe.sandbox import SandboxUnavailable\n"
+        "try: asyncio.run(Sandbox.open(Path(sys.argv[2])))\n"
+        "except SandboxUnavailable as error: print(error)"
+    )
+    confined = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"]
+    done = subprocess.run(
+        [*confined, sys.executable, "-c", snippet, str(ROOT), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "controller=general" in done.stdout, done.stderr

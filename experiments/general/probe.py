@@ -45,7 +45,7 @@ TASK_OPTIONS: dict[str, Any] = {
     "prompt": "short",
     "max_tokens": 64,
 }
-FORCED = '<tool_call>\n{"name": "execute_bash", "arguments": {"command": "grep -Fw'
+FORCED = '<tool_call>\n{"name": "execute_bash", "arguments": {"command": "grep -Fw \''
 
 
 class Greedy:

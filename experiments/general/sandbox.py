@@ -33,13 +33,27 @@ from pathlib import Path
 from typing import Any
 
 from agl.core.run.services import die_with_parent
-from experiments.swe.sandbox import Lockdown, default_hidden, sandboxed
+from experiments.swe.sandbox import Lockdown, SandboxUnavailable, default_hidden, sandboxed
 from experiments.swe.sandbox_entry import NOBODY
 
 SERVER = Path(__file__).with_name("shell_server.py")
 INPUT, OUTPUT = "input", "output"
 OUTPUT_LIMIT = 1 << 16  # bytes of a command's output the server keeps
 READ_LIMIT = 1 << 16
+
+
+_CAP_SYS_ADMIN = 21
+
+
+def can_make_namespaces() -> bool:
+    """Whether this process holds CAP_SYS_ADMIN (root in a confined worker does not)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> _CAP_SYS_ADMIN & 1)
+    except OSError:
+        pass
+    return False
 
 
 class SandboxError(RuntimeError):
@@ -86,6 +100,12 @@ class Sandbox:
 
     @classmethod
     async def open(cls, workspace: Path, hidden: tuple[Path, ...] = ()) -> Sandbox:
+        if not can_make_namespaces():
+            raise SandboxUnavailable(
+                "the sandbox needs root with CAP_SYS_ADMIN, which a confined harness has "
+                "not: run the harness unconfined (controller=general, as conf/general.yaml "
+                "does; each attempt's commands are confined in its sandbox)"
+            )
         lockdown = Lockdown(
             workspace=workspace, hidden=(*default_hidden(), *hidden), block_git=False
         )

@@ -56,7 +56,7 @@ from experiments.search.warmup import check_options, episode_rows, step_episodes
 
 # Measured on 2 CPU cores (README).
 STEPS = 900
-QUESTIONS_PER_STEP = 16
+QUESTIONS_PER_STEP = 8
 LR = 3e-3
 SEARCH_SHARE = 0.5
 # Each step also learns this many of the search agent's warm-up episodes (every one
@@ -73,17 +73,23 @@ def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {body}}}\n</tool_call>'
 
 
+def quoted(text: str) -> str:
+    """``text`` in single quotes for the shell, always (one layout to learn, spaces or
+    not)."""
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
 def answer_call(answer: str, tools: Sequence[str]) -> str:
     """Writing ``answer`` to the answer file: with the editor when it is offered, else
     with ``echo``."""
     if EDITOR in tools:
         arguments = {"command": "create", "path": ANSWER_FILE, "file_text": answer}
         return tool_call_text(EDITOR, arguments)
-    return tool_call_text(BASH, {"command": f"echo {shlex.quote(answer)} > {ANSWER_FILE}"})
+    return tool_call_text(BASH, {"command": f"echo {quoted(answer)} > {ANSWER_FILE}"})
 
 
 def grep_call(name: str, table: str) -> str:
-    return tool_call_text(BASH, {"command": f"grep -Fw {shlex.quote(name)} {INPUT}/{table}"})
+    return tool_call_text(BASH, {"command": f"grep -Fw {quoted(name)} {INPUT}/{table}"})
 
 
 def plan(q: dict[str, Any], search: bool, guess: str, tools: Sequence[str]) -> list[str]:
