@@ -606,3 +606,19 @@ def test_a_confined_harness_is_told_to_run_unconfined(tmp_path: Path) -> None:
         check=True,
     )
     assert "controller=general" in done.stdout, done.stderr
+
+
+def test_the_condenser_shows_in_the_merge_structure() -> None:
+    """Tool calls written in the template's own layout extend every call, so prefix keeps
+    one sample; the condenser rewrites an older tool output, which splits prefix and
+    stitch and leaves tree one sample (experiments/general/structure.py)."""
+    from experiments.agentic.structure import structure
+    from experiments.general.structure import CONDENSE_CHARS, rollouts
+
+    plain, condensed = rollouts(0, 20, 0), rollouts(CONDENSE_CHARS, 20, 0)
+    assert all(len(r) >= 3 for r in plain)  # a grep, an echo and a submit at least
+    assert structure(plain, "prefix").samples_per_rollout == 1.0
+    assert structure(plain, "independent").samples_per_rollout >= 3.0
+    assert structure(condensed, "prefix").samples_per_rollout > 1.0
+    assert structure(condensed, "stitch").samples_per_rollout > 1.0
+    assert structure(condensed, "tree").samples_per_rollout == 1.0
