@@ -107,37 +107,43 @@ def structure(calls: Sequence[list[ModelCall]], merge: str) -> Structure:
     )
 
 
+COLUMNS = ["merge", "samples/rollout", "one sample", "tokens/unique", "calls", "trained"]
+
+
+def merge_rows(label: str, calls: Sequence[Sequence[ModelCall]]) -> list[list[str]]:
+    """A table's rows for ``calls`` (``label`` first): each merge's ``structure``."""
+    rows = []
+    for merge in names("merge"):
+        s = structure(calls, merge)
+        rows.append(
+            [
+                label,
+                merge,
+                f"{s.samples_per_rollout:.2f}",
+                f"{s.single_sample_rollouts:.0%}",
+                f"{s.tokens_per_unique_token:.2f}",
+                f"{s.calls_per_rollout:.2f}",
+                f"{s.trained_calls_per_rollout:.2f}",
+            ]
+        )
+    return rows
+
+
+def text_table(rows: Sequence[Sequence[str]]) -> str:
+    """Rows (the head first) in columns padded to their widest cell."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
+    )
+
+
 def report(n: int, seed: int, dropout: float) -> str:
-    head = [
-        "mechanisms",
-        "merge",
-        "samples/rollout",
-        "one sample",
-        "tokens/unique",
-        "calls",
-        "trained",
-    ]
-    rows = [head]
+    rows = [["mechanisms", *COLUMNS]]
     for label, mechanisms in SETTINGS:
-        calls = rollouts(mechanisms, n, seed, dropout)
-        for merge in names("merge"):
-            s = structure(calls, merge)
-            rows.append(
-                [
-                    label,
-                    merge,
-                    f"{s.samples_per_rollout:.2f}",
-                    f"{s.single_sample_rollouts:.0%}",
-                    f"{s.tokens_per_unique_token:.2f}",
-                    f"{s.calls_per_rollout:.2f}",
-                    f"{s.trained_calls_per_rollout:.2f}",
-                ]
-            )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+        rows += merge_rows(label, rollouts(mechanisms, n, seed, dropout))
     return (
         f"{n} games of the random player per setting (seed {seed}, BPE-dropout {dropout})\n"
-        + "\n".join(lines)
+        + text_table(rows)
     )
 
 

@@ -48,9 +48,10 @@ from experiments.guess.warmup import (
     INDUCTION_LR,
     Deck,
     DropoutBPE,
+    at_once,
     copying_phase,
     masked_batch,
-    train_steps,
+    trained,
 )
 
 STEPS = 300
@@ -122,13 +123,7 @@ def transcripts(
     where the trainer calls the warm-up)."""
     player.calls = []
     for game in games:
-        coroutine = play(game, mechanisms, player, rng)
-        try:
-            coroutine.send(None)
-        except StopIteration:
-            continue
-        coroutine.close()
-        raise RuntimeError("a scripted game waited on something")
+        at_once(play(game, mechanisms, player, rng), "a scripted game")
     return player.calls
 
 
@@ -184,12 +179,4 @@ def warm_up(
         rows = [(prompt_ids(tokenizer, m), encode_reply(tokenizer, t, segment)) for m, t in calls]
         return rows_batch(tokenizer, rows)
 
-    losses = train_steps(model, [games, *rehearsal], steps, lr)
-    tail = losses[-10:]
-    return {
-        **metrics,
-        "loss": sum(tail) / len(tail),
-        "first_loss": losses[0],
-        "seconds": time.perf_counter() - start,
-        "steps": float(steps),
-    }
+    return {**metrics, **trained(model, [games, *rehearsal], steps, lr, start)}

@@ -11,17 +11,13 @@ into the command, the answer out of the line found).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from agl.backends.inference.models import load_model
 from agl.backends.inference.server.tools import parse_tool_calls
 from experiments.general.harness import (
     Message,
@@ -36,6 +32,7 @@ from experiments.general.sandbox import Sandbox, make_workspace
 from experiments.general.warmup import warm_up
 from experiments.search.facts import train_inputs, val_inputs
 from experiments.search.harness import Question
+from experiments.search.probe import probe_arguments, warmed_model
 
 TASK_OPTIONS: dict[str, Any] = {
     "kinds": {"capital": 1.0, "country": 1.0, "two_hop": 0.0},
@@ -94,23 +91,8 @@ async def measure(questions: Sequence[Mapping[str, Any]], ask: Greedy) -> dict[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m experiments.general.probe")
-    parser.add_argument("--warmup", default="{}", help="warm_up's options, as JSON")
-    parser.add_argument("--seed", type=int, default=0, help="the tiny model's and the warm-up's")
-    parser.add_argument("--n", type=int, default=100, help="questions of each side")
-    parser.add_argument("--weights", type=Path, help="warmed weights: loaded if there, else saved")
-    args = parser.parse_args()
-    torch.set_num_threads(2)
-    loaded = load_model("tiny", seed=args.seed)
-    model, tokenizer = loaded.model, loaded.tokenizer
-    if args.weights is not None and args.weights.exists():
-        model.load_state_dict(torch.load(args.weights))
-    else:
-        options = {**TASK_OPTIONS, "seed": args.seed, **json.loads(args.warmup)}
-        print("warm-up:", json.dumps(warm_up(model, tokenizer, **options)), flush=True)
-        if args.weights is not None:
-            torch.save(model.state_dict(), args.weights)
-    model.eval()
+    args = probe_arguments("python -m experiments.general.probe")
+    model, tokenizer = warmed_model(args, warm_up, TASK_OPTIONS)
     kinds = TASK_OPTIONS["kinds"]
     sides = {
         "train": train_inputs(10**6, args.n, seed=12345, kinds=kinds),

@@ -20,8 +20,7 @@ import argparse
 import random
 
 from agl.core.contracts.samples import ModelCall
-from agl.strategies.registry import names
-from experiments.agentic.structure import _tokenizer, structure
+from experiments.agentic.structure import COLUMNS, _tokenizer, merge_rows, text_table
 from experiments.agentic.warmup import encode_reply
 from experiments.general.harness import Options
 from experiments.general.tables import table_lines
@@ -58,25 +57,10 @@ def rollouts(condense_chars: int, n: int, seed: int) -> list[list[ModelCall]]:
 
 
 def report(n: int, seed: int) -> str:
-    head = ["condenser", "merge", "samples/rollout", "one sample", "tokens/unique", "calls"]
-    rows = [head]
+    rows = [["condenser", *COLUMNS]]
     for label, budget in (("off", 0), (f"{CONDENSE_CHARS} chars", CONDENSE_CHARS)):
-        calls = rollouts(budget, n, seed)
-        for merge in names("merge"):
-            s = structure(calls, merge)
-            rows.append(
-                [
-                    label,
-                    merge,
-                    f"{s.samples_per_rollout:.2f}",
-                    f"{s.single_sample_rollouts:.0%}",
-                    f"{s.tokens_per_unique_token:.2f}",
-                    f"{s.calls_per_rollout:.2f}",
-                ]
-            )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
-    return f"{n} questions read and answered (a third two-hop; seed {seed})\n" + "\n".join(lines)
+        rows += merge_rows(label, rollouts(budget, n, seed))
+    return f"{n} questions read and answered (a third two-hop; seed {seed})\n" + text_table(rows)
 
 
 def main() -> None:

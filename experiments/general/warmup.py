@@ -45,7 +45,7 @@ from experiments.general.harness import (
 from experiments.general.sandbox import INPUT, CommandResult
 from experiments.general.tables import CITIES, COUNTRIES, city_line, country_line, grep_words
 from experiments.general.tables import table_lines as real_tables
-from experiments.guess.warmup import Batch, DropoutBPE, masked_batch, train_steps
+from experiments.guess.warmup import Batch, DropoutBPE, at_once, masked_batch, trained
 from experiments.search.baselines import echo
 from experiments.search.facts import world
 from experiments.search.harness import Options as SearchOptions
@@ -166,13 +166,8 @@ def episode_calls(
         assert parsed is not None, reply
         return Reply(parsed[0], parsed[1], "stop")
 
-    coroutine = play(Question.from_input(q), options, ask, computer)
-    try:
-        coroutine.send(None)
-    except StopIteration:
-        return calls
-    coroutine.close()
-    raise RuntimeError("a scripted episode waited on something")
+    at_once(play(Question.from_input(q), options, ask, computer), "a scripted episode")
+    return calls
 
 
 def warm_up(
@@ -221,11 +216,4 @@ def warm_up(
                 kinds=kinds,
             )
         )
-    losses = train_steps(model, parts, steps, lr)
-    tail = losses[-10:]
-    return {
-        "loss": sum(tail) / len(tail),
-        "first_loss": losses[0],
-        "seconds": time.perf_counter() - start,
-        "steps": float(steps),
-    }
+    return trained(model, parts, steps, lr, start)

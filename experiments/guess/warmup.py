@@ -34,8 +34,8 @@ import json
 import random
 import re
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -293,6 +293,40 @@ def train_steps(
     return losses
 
 
+def trained(
+    model: torch.nn.Module,
+    batches: Sequence[Callable[[], Batch]],
+    steps: int,
+    lr: float,
+    start: float,
+) -> dict[str, float]:
+    """``train_steps``, then a warm-up's figures: ``loss`` (the mean of the last 10
+    steps), ``first_loss``, ``seconds`` since ``start`` (``time.perf_counter``), ``steps``."""
+    losses = train_steps(model, batches, steps, lr)
+    tail = losses[-10:]
+    return {
+        "loss": sum(tail) / len(tail),
+        "first_loss": losses[0],
+        "seconds": time.perf_counter() - start,
+        "steps": float(steps),
+    }
+
+
+T = TypeVar("T")
+
+
+def at_once(coroutine: Coroutine[Any, Any, T], what: str) -> T:
+    """The result of ``coroutine``, which never waits (a scripted player's episode through
+    a harness), run to its end without an event loop: also inside one, where the trainer
+    calls the warm-up."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    coroutine.close()
+    raise RuntimeError(f"{what} waited on something")
+
+
 def copying_phase(
     model: torch.nn.Module, tokenizer: Any, steps: int, lr: float, seed: str
 ) -> tuple[dict[str, float], list[Callable[[], Batch]]]:
@@ -360,12 +394,4 @@ def warm_up(
     def games() -> Batch:
         return _batch(tokenizer, segment, targets, turns, batch_size, low, high)
 
-    losses = train_steps(model, [games, *rehearsal], steps, lr)
-    tail = losses[-10:]
-    return {
-        **metrics,
-        "loss": sum(tail) / len(tail),
-        "first_loss": losses[0],
-        "seconds": time.perf_counter() - start,
-        "steps": float(steps),
-    }
+    return {**metrics, **trained(model, [games, *rehearsal], steps, lr, start)}

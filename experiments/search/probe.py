@@ -16,7 +16,7 @@ import argparse
 import asyncio
 import json
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,24 +96,39 @@ def measure(
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m experiments.search.probe")
+def probe_arguments(prog: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--warmup", default="{}", help="warm_up's options, as JSON")
     parser.add_argument("--seed", type=int, default=0, help="the tiny model's and the warm-up's")
     parser.add_argument("--n", type=int, default=100, help="questions of each side")
     parser.add_argument("--weights", type=Path, help="warmed weights: loaded if there, else saved")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def warmed_model(
+    args: argparse.Namespace,
+    warm_up: Callable[..., Mapping[str, float]],
+    options: Mapping[str, Any],
+) -> tuple[Any, Any]:
+    """The tiny model of ``args.seed`` warmed up with ``options`` and ``args.warmup`` (or
+    its weights read from ``args.weights``, when there), in eval mode, and its tokenizer."""
     torch.set_num_threads(2)
     loaded = load_model("tiny", seed=args.seed)
     model, tokenizer = loaded.model, loaded.tokenizer
     if args.weights is not None and args.weights.exists():
         model.load_state_dict(torch.load(args.weights))
     else:
-        options = {**TASK_OPTIONS, "seed": args.seed, **json.loads(args.warmup)}
-        print("warm-up:", json.dumps(warm_up(model, tokenizer, **options)), flush=True)
+        chosen = {**options, "seed": args.seed, **json.loads(args.warmup)}
+        print("warm-up:", json.dumps(warm_up(model, tokenizer, **chosen)), flush=True)
         if args.weights is not None:
             torch.save(model.state_dict(), args.weights)
     model.eval()
+    return model, tokenizer
+
+
+def main() -> None:
+    args = probe_arguments("python -m experiments.search.probe")
+    model, tokenizer = warmed_model(args, warm_up, TASK_OPTIONS)
     index = Index(load_corpus("geonames"))
     options = Options.from_input(TASK_OPTIONS)
     kinds = TASK_OPTIONS["kinds"]

@@ -20,8 +20,7 @@ import argparse
 import random
 
 from agl.core.contracts.samples import ModelCall
-from agl.strategies.registry import names
-from experiments.agentic.structure import _tokenizer, structure
+from experiments.agentic.structure import COLUMNS, _tokenizer, merge_rows, text_table
 from experiments.agentic.warmup import encode_reply, prompt_ids
 from experiments.guess.warmup import DropoutBPE
 from experiments.search.facts import train_inputs
@@ -56,27 +55,12 @@ def rollouts(
 
 def report(n: int, seed: int, dropout: float) -> str:
     index = Index(load_corpus("geonames"))
-    head = ["history", "merge", "samples/rollout", "one sample", "tokens/unique", "calls"]
-    rows = [head]
+    rows = [["history", *COLUMNS]]
     for history in HISTORIES:
-        calls = rollouts(history, n, seed, dropout, index)
-        for merge in names("merge"):
-            s = structure(calls, merge)
-            rows.append(
-                [
-                    history,
-                    merge,
-                    f"{s.samples_per_rollout:.2f}",
-                    f"{s.single_sample_rollouts:.0%}",
-                    f"{s.tokens_per_unique_token:.2f}",
-                    f"{s.calls_per_rollout:.2f}",
-                ]
-            )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+        rows += merge_rows(history, rollouts(history, n, seed, dropout, index))
     return (
         f"{n} searched questions per history (a third two-hop; seed {seed}, "
-        f"BPE-dropout {dropout})\n" + "\n".join(lines)
+        f"BPE-dropout {dropout})\n" + text_table(rows)
     )
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from experiments.agentic.warmup import encode_reply, prompt_ids
-from experiments.guess.warmup import Batch, DropoutBPE, masked_batch, train_steps
+from experiments.guess.warmup import Batch, DropoutBPE, at_once, masked_batch, trained
 from experiments.search.baselines import echo
 from experiments.search.harness import Hit, Message, Options, Question, play
 from experiments.search.invented import Invented, invented_question
@@ -104,13 +104,8 @@ def calls_of(
     async def retrieve(query: str, topk: int) -> list[Hit]:
         return index.search([query], topk)[0]
 
-    coroutine = play(Question.from_input(q), options, ask, retrieve)
-    try:
-        coroutine.send(None)
-    except StopIteration:
-        return calls
-    coroutine.close()
-    raise RuntimeError("a scripted search waited on something")
+    at_once(play(Question.from_input(q), options, ask, retrieve), "a scripted search")
+    return calls
 
 
 def episode_rows(
@@ -213,11 +208,4 @@ def warm_up(
         dropout=dropout,
         kinds=kinds,
     )
-    losses = train_steps(model, [batch], steps, lr)
-    tail = losses[-10:]
-    return {
-        "loss": sum(tail) / len(tail),
-        "first_loss": losses[0],
-        "seconds": time.perf_counter() - start,
-        "steps": float(steps),
-    }
+    return trained(model, [batch], steps, lr, start)
