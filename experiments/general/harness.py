@@ -328,7 +328,7 @@ async def play(
     options: Options,
     ask: Ask,
     computer: Computer,
-    files: Sequence[str] = (COUNTRIES, CITIES),
+    files: Sequence[str] = (CITIES, COUNTRIES),  # in input/, sorted as the harness lists them
 ) -> Episode:
     """One attempt: turns until ``submit`` or ``max_turns``, then the answer file read and
     scored. ``files`` are the names in ``input/``."""
