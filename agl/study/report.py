@@ -204,7 +204,12 @@ def comparison_lines(found: Sequence[Comparison]) -> list[str]:
 
 
 def table(settings: Sequence[Setting], first: bool) -> list[list[str]]:
-    metrics = [m for m in METRICS if m.at_first_step or not first]
+    """A row per setting, a column per metric that some setting logged."""
+    metrics = [
+        m
+        for m in METRICS
+        if (m.at_first_step or not first) and any(s.series(m.key) for s in settings)
+    ]
     head = ["setting", "seeds", *(m.title for m in metrics)]
     rows = [head]
     for s in settings:
