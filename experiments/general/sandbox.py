@@ -160,12 +160,15 @@ class Sandbox:
         )
         if "error" in reply:
             return CommandResult(126, str(reply["error"]), False, False)
-        return CommandResult(
-            int(reply["exit"]),
-            str(reply["output"]),
-            bool(reply["truncated"]),
-            bool(reply["timed_out"]),
-        )
+        try:
+            return CommandResult(
+                int(reply["exit"]),
+                str(reply["output"]),
+                bool(reply["truncated"]),
+                bool(reply["timed_out"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            raise SandboxError(f"the sandbox's server answered {reply!r:.200}") from None
 
     async def read(self, path: str, limit: int = READ_LIMIT) -> str:
         """A file's text as the agent sees it (a link is not followed); ``OSError``."""
