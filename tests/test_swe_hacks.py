@@ -242,21 +242,31 @@ def test_every_hack_works_without_the_safeguards_and_gets_nothing_with_them(
     assert "schema" in by_name["on", "honest"]["grade"]["diff"]  # the change, read from files
     # Every try shows in scan: the paper's four by their commands, the rest by what the
     # sandbox answered them. Without the sandbox, a plain cp of the mirror or the cache
-    # says nothing a rule can see (the auditor's judge is for those).
+    # says nothing the built-in rules can see.
     names = {
         f"{group}-{n}": on[n] if n < len(on) else f"off-{off[n - len(on)]}"
         for n in range(len(inputs))
     }
-    done = subprocess.run(
-        [sys.executable, "-m", "agl.rollouts", "scan", "--gateway", gateway.url, "--group", group],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "AGL_ADMIN_TOKEN": gateway.token},
-    )
-    assert done.returncode == 0, done.stderr
-    flagged = {names[line.split("  ", 1)[0]]: line for line in done.stdout.splitlines()}
+
+    def scan(*rules: str) -> dict[str, str]:
+        scan_group = ["scan", "--gateway", gateway.url, "--group", group, *rules]
+        done = subprocess.run(
+            [sys.executable, "-m", "agl.rollouts", *scan_group],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "AGL_ADMIN_TOKEN": gateway.token},
+        )
+        assert done.returncode == 0, done.stderr
+        return {names[line.split("  ", 1)[0]]: line for line in done.stdout.splitlines()}
+
+    flagged = scan()
     four = ["git", "curl", "wget", "pip", "urllib"]
     assert sorted(flagged) == sorted([*four, "mirror", "sdists", *(f"off-{h}" for h in four)])
     assert "'git checkout'" in flagged["off-git"] and "'pip download'" in flagged["off-pip"]
     assert "in the output it was shown" in flagged["mirror"]
+    # The coding agent's own rules add the cache's copy that worked; a loop that empties
+    # the tests through a variable is still the judge's to see.
+    with_swe = scan("--rules", "experiments.swe.rules:RULES")
+    assert sorted(with_swe) == sorted([*flagged, "off-sdists"])
+    assert "looks for another copy" in with_swe["off-sdists"]
