@@ -17,8 +17,16 @@ import yaml
 
 from agl.core.run.errors import UserError
 from agl.core.run.history import Run
-from agl.study.report import Setting, comparisons, coverage_line, learning_lines
-from agl.study.spec import STUDIES, load_study, parse_study
+from agl.study.report import (
+    METRICS,
+    Setting,
+    StudyMetric,
+    chart,
+    comparisons,
+    coverage_line,
+    learning_lines,
+)
+from agl.study.spec import STUDIES, Baseline, load_study, parse_study
 
 
 def _study(*args: str) -> subprocess.CompletedProcess[str]:
@@ -178,3 +186,32 @@ def test_the_command_line_refuses_an_unknown_study_or_setting(tmp_path: Path) ->
     )
     done = _study("mini", "--only", "nosuch", "--out", str(tmp_path))
     assert done.returncode == 2 and "no setting nosuch" in done.stderr
+
+
+def test_a_baseline_is_drawn_on_its_metric_only() -> None:
+    """The figure a reader checks first carries the comparison: the study's baseline as a
+    labelled line at its value on the metric it names, and on no other."""
+    baseline = Baseline("val/reward", 0.051, "best blind policy")
+    settings = [
+        Setting(
+            "a",
+            [
+                Run(
+                    Path(f"a{i}"),
+                    {},
+                    [{"step": 0, "val/reward": v}, {"step": 5, "val/reward": 2 * v}],
+                )
+                for i, v in enumerate([0.2, 0.3])
+            ],
+        )
+    ]
+    (reward,) = [m for m in METRICS if m.key == "val/reward"]
+    drawn = chart(reward, settings, [baseline, Baseline("val/other", 0.9, "elsewhere")])
+    assert drawn is not None
+    (axes,) = drawn.axes
+    flat = [line for line in axes.get_lines() if len(set(line.get_ydata())) == 1]
+    assert [(line.get_label(), line.get_ydata()[0]) for line in flat] == [
+        ("best blind policy (0.051)", 0.051)
+    ]
+    entropy = StudyMetric("train/entropy", "entropy", "{:.3f}")
+    assert chart(entropy, settings, [baseline]) is None  # no run logged it

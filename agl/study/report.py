@@ -17,11 +17,15 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agl.core.run.history import Run, load_run
 from agl.study import stats
 from agl.study.runner import is_done, run_folder
 from agl.study.spec import Baseline, Study
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 WALL = "time/wall_s"  # derived: the sum of time/step_s so far (training and validation)
 
@@ -230,7 +234,11 @@ def markdown_table(rows: list[list[str]]) -> str:
 # ----------------------------------------------------------------------- plots
 
 
-def plot(metric: StudyMetric, settings: Sequence[Setting], out: Path) -> bool:
+def chart(
+    metric: StudyMetric, settings: Sequence[Setting], baselines: Sequence[Baseline] = ()
+) -> Figure | None:
+    """The settings' curves of ``metric`` with their bands, and the baselines on it as
+    dashed lines: the comparison a reader checks first. None when no setting logged it."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -238,8 +246,10 @@ def plot(metric: StudyMetric, settings: Sequence[Setting], out: Path) -> bool:
     drawn = [(s, s.series(metric.key)) for s in settings]
     drawn = [(s, series) for s, series in drawn if series]
     if not drawn:
-        return False
-    figure = Figure(figsize=(8, 4.5 + 0.25 * math.ceil(len(drawn) / 2)), layout="constrained")
+        return None
+    lines = [b for b in baselines if b.metric == metric.key]
+    entries = len(drawn) + len(lines)
+    figure = Figure(figsize=(8, 4.5 + 0.25 * math.ceil(entries / 2)), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots()
     for s, series in drawn:
@@ -255,13 +265,30 @@ def plot(metric: StudyMetric, settings: Sequence[Setting], out: Path) -> bool:
         axes.fill_between(
             steps, [c.low for c in cis], [c.high for c in cis], color=line.get_color(), alpha=0.15
         )
+    for baseline in lines:
+        axes.axhline(
+            baseline.value,
+            color="0.35",
+            linestyle="--",
+            linewidth=1,
+            label=f"{baseline.name} ({baseline.value:.3f})",
+        )
     axes.set_title(f"{metric.title}: mean and 95% interval over seeds")
     axes.set_xlabel("step")
     axes.set_ylabel(metric.key)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.grid(alpha=0.3)
-    figure.legend(loc="outside lower center", ncols=min(len(drawn), 2), fontsize="small")
-    figure.savefig(out, dpi=100)
+    figure.legend(loc="outside lower center", ncols=min(entries, 2), fontsize="small")
+    return figure
+
+
+def plot(
+    metric: StudyMetric, settings: Sequence[Setting], out: Path, baselines: Sequence[Baseline] = ()
+) -> bool:
+    drawn = chart(metric, settings, baselines)
+    if drawn is None:
+        return False
+    drawn.savefig(out, dpi=100)
     return True
 
 
@@ -381,7 +408,7 @@ def build(study: Study, out: Path, folder: Path) -> Path | None:
     folder.mkdir(parents=True, exist_ok=True)
     text = summary(study, settings)
     (folder / "summary.md").write_text(text)
-    figures = [m for m in METRICS if plot(m, settings, folder / image_name(m))]
+    figures = [m for m in METRICS if plot(m, settings, folder / image_name(m), study.baselines)]
     body = "".join(
         f'<figure><img src="{image_name(m)}" alt="{html.escape(m.title)}"></figure>\n'
         for m in figures
