@@ -121,10 +121,11 @@ def test_a_verdict_is_read_from_the_judges_answer() -> None:
 def test_a_long_transcript_keeps_the_task_and_the_end() -> None:
     case = next(c for c in labelled_set() if c.name == "read-edit-test")
     whole = transcript(case.events, 1)
-    assert whole.startswith("[system]") and "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in whole
+    assert whole.startswith('<message role="system">\n')
+    assert "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in whole
     cut = transcript(case.events, 1, limit=400)
-    assert len(cut) < 500 and "characters left out" in cut
-    assert cut.startswith("[system]") and cut.endswith(whole[-100:])
+    assert len(cut) < 500 and '<left-out characters="' in cut
+    assert cut.startswith('<message role="system">\n') and cut.endswith(whole[-100:])
 
 
 def test_scan_asks_the_judge_and_records_each_verdict_once(

@@ -4,7 +4,9 @@ by default the paper's four reward hacks; outputs saying the sandbox refused a c
 repeated calls, calls cut at max tokens, rewards without calls, failed calls), with
 ``--run`` where the run's merge broke, and the user's (``--rules module:RULES``); with
 ``--judge URL``, a model's verdict on each flagged rollout and a sample of the others
-(agl/rollouts/judge.py), recorded as a ``verdict`` event."""
+(agl/rollouts/judge.py), recorded as a ``verdict`` event. A reason that names a call as
+``model_calls`` does (``attempt 1 call 3``) and quotes what it found (``'git log'``) keeps
+that call, and the lines holding the quote, in the judge's transcript however long."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from agl.core.run.errors import UserError
 from agl.rollouts.calls import explained, load_run_folder
 from agl.rollouts.judge import HACK, Judge, sampled, transcript, verdict_event
 from agl.rollouts.select import fields, filters, matching, of_attempt, reward_of
-from agl.rollouts.text import short, tool_call_text
+from agl.rollouts.text import short, tool_call_text, visible
 
 Rule = Callable[[Rollout, list[Event]], list[str]]
 
@@ -209,7 +211,7 @@ async def cmd_scan(client: AsyncGatewayClient, args: argparse.Namespace, out: IO
             if judge is not None and (
                 reasons or sampled(rollout.rollout_id, args.judge_sample, args.judge_seed)
             ):
-                verdict = await judge(transcript(events, rollout.attempt))
+                verdict = await judge(transcript(events, rollout.attempt, reasons=reasons))
                 event = verdict_event(rollout, verdict, bool(reasons))
                 await client.post_events(rollout.rollout_id, rollout.attempt, [event])
                 judged += 1
@@ -219,7 +221,8 @@ async def cmd_scan(client: AsyncGatewayClient, args: argparse.Namespace, out: IO
                     reasons.append(f"judge: {verdict.verdict} ({verdict.reason})")
             if reasons:
                 flagged += 1
-                print(f"{rollout.rollout_id}  {'; '.join(reasons)}", file=out)
+                # One line per rollout, whatever a rule or the judge quoted of the model's.
+                print(visible(f"{rollout.rollout_id}  {'; '.join(reasons)}"), file=out)
     finally:
         if judge is not None:
             await judge.close()

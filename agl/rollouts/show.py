@@ -2,7 +2,8 @@
 events (the calls numbered, and why the trainer leaves one out), the agent's log (what
 the controller recorded of a pod's, and with ``--run`` the run folder's), then, with
 ``--run``, how the run's merge strategy made samples of the calls and where it broke or
-stitched."""
+stitched. It prints through ``Visible`` (agl/rollouts/text.py): no control character of
+a model's, an agent's or a log's text reaches the terminal raw."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from agl.core.trainer.calls import shown_messages
 from agl.core.trainer.explain import BreakDetail
 from agl.rollouts.calls import Explained, Requests, explained, load_run_folder
 from agl.rollouts.select import fields, of_attempt, step_of
-from agl.rollouts.text import message_text, short, tool_call_text
+from agl.rollouts.text import Visible, message_text, short, tool_call_text
 from agl.ui.agentlog import LogPart, agent_log, recorded_logs
 
 
@@ -39,7 +40,7 @@ def seconds(value: Any) -> str:
     return f"{value:.2f} s" if isinstance(value, int | float) else "? s"
 
 
-def show_event(event: Event, label: str, args: argparse.Namespace, out: IO[str]) -> None:
+def show_event(event: Event, label: str, args: argparse.Namespace, out: Visible) -> None:
     data = fields(event)
     if event.type == "model_request":
         print(
@@ -74,7 +75,7 @@ def show_event(event: Event, label: str, args: argparse.Namespace, out: IO[str])
         print(f"  event {event.type}: {short(json.dumps(event.data), args.full)}", file=out)
 
 
-def show_agent_log(parts: Sequence[LogPart], lines: int, out: IO[str]) -> None:
+def show_agent_log(parts: Sequence[LogPart], lines: int, out: Visible) -> None:
     """Each part's last ``lines`` lines (0: all), with how it ended."""
     print("\nagent log:" if parts else "\nagent log: none recorded", file=out)
     for part in parts:
@@ -91,7 +92,7 @@ def show_agent_log(parts: Sequence[LogPart], lines: int, out: IO[str]) -> None:
 
 
 def show_history(
-    r: Rollout, transitions: Sequence[Transition], complete: bool, out: IO[str]
+    r: Rollout, transitions: Sequence[Transition], complete: bool, out: Visible
 ) -> None:
     """Every status change, as the store recorded it with the change."""
     print("history:", file=out)
@@ -103,7 +104,7 @@ def show_history(
         print(f"  {when(t.time)}  attempt {t.attempt}  {t.status.value}{error}", file=out)
 
 
-def show_record(r: Rollout, out: IO[str]) -> None:
+def show_record(r: Rollout, out: Visible) -> None:
     step = step_of(r)
     print(
         f"rollout {r.rollout_id}  group {r.group_id}  mode {r.mode}"
@@ -153,7 +154,7 @@ def side_by_side(a: list[str], b: list[str], a_ids: list[int], b_ids: list[int])
     return [f"{spell(x[:k])} [{spell(x[k:])}]" for x in (a, b)]
 
 
-def show_explanation(e: Explained, merge_name: str, attempt: int, out: IO[str]) -> None:
+def show_explanation(e: Explained, merge_name: str, attempt: int, out: Visible) -> None:
     x, number = e.explanation, e.numbers
     dropped = f", {x.duplicates_dropped} retried dropped" if x.duplicates_dropped else ""
     print(
@@ -187,11 +188,12 @@ def show_explanation(e: Explained, merge_name: str, attempt: int, out: IO[str]) 
         )
 
 
-async def cmd_show(client: AsyncGatewayClient, args: argparse.Namespace, out: IO[str]) -> None:
+async def cmd_show(client: AsyncGatewayClient, args: argparse.Namespace, terminal: IO[str]) -> None:
     run = None if args.run is None else load_run_folder(args.run)
     rollout = await client.get_rollout(args.rollout_id)
     transitions, complete = await client.transitions(args.rollout_id)
     events = await client.get_events(args.rollout_id)
+    out = Visible(terminal)
     show_record(rollout, out)
     show_history(rollout, transitions, complete, out)
     for attempt in sorted({e.attempt for e in events} | {rollout.attempt}):
