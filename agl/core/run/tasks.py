@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agl.core.run.datasets import DatasetStream, map_columns, read_rows
+from agl.core.run.datasets import DatasetLimits, DatasetStream, map_columns, read_rows
 from agl.core.run.task_services import ServiceSpec
 from agl.core.run.warmup_pins import WarmupPin
 
@@ -51,6 +51,7 @@ class TaskConfig:
     shuffle: bool = True  # a new order every epoch
     data_seed: int | None = None  # the shuffle's seed; null: the run's seed
     epochs: int | None = None  # passes over the train files a run may take; null: no limit
+    dataset_limits: dict[str, int] = field(default_factory=dict)  # datasets.DatasetLimits
     warmup: str | None = None
     # A folder of pinned warm-ups (agl/core/run/warmup_pins.py): a seed's warmed weights
     # are read from there when it has them, made and kept there when it does not. A study
@@ -130,7 +131,8 @@ class Task:
         data_seed = seed if config.data_seed is None else config.data_seed
 
         def stream(files: list[str]) -> DatasetStream:
-            rows = map_columns(read_rows(files), config.columns or {}, ", ".join(files))
+            limits = DatasetLimits.of(config.dataset_limits)
+            rows = map_columns(read_rows(files, limits), config.columns or {}, ", ".join(files))
             return DatasetStream(rows, data_seed, config.shuffle)
 
         train = stream(_paths(config.train_files))
