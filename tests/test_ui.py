@@ -947,3 +947,86 @@ def test_the_agent_log_is_the_attempts_files_and_the_worker_lines_naming_the_rol
     assert len(lines) == 6 and "ValueError: boom" in lines
     assert not any("t0.1.30" in line or "t0.1.31" in line for line in lines)
     assert agent_log(tmp_path, "t0.1", attempts=1) == []
+
+
+BIG_LOG = 65 * 2**20  # past the 64 MiB the viewer once read whole
+
+
+def write_repeated(path: Path, line: bytes, size: int, last: bytes) -> None:
+    """``line`` over and over to ``size`` bytes, then ``last``: written a MiB at a time,
+    so that the test holds nothing of the file's size."""
+    block = line * (2**20 // len(line) + 1)
+    with path.open("wb") as f:
+        for _ in range(size // len(block) + 1):
+            f.write(block)
+        f.write(last)
+
+
+def big_logs(run: Path, rollout_id: str) -> None:
+    """An attempt's 65 MiB output, and two 65 MiB worker logs naming the rollout: one in
+    records of 16 KiB, one a single line with no end."""
+    (run / "attempts").mkdir()
+    (run / "workers").mkdir()
+    write_repeated(
+        run / "attempts" / f"{rollout_id}.1.out", b"o" * 999 + b"\n", BIG_LOG, b"the last line\n"
+    )
+    record = f"2026-11-30 14:09:26,445 INFO worker: rollout {rollout_id} says ".encode()
+    write_repeated(
+        run / "workers" / "worker-0.log",
+        record + b"w" * 16 * 2**10 + b"\n",
+        BIG_LOG,
+        record + b"the last record\n",
+    )
+    write_repeated(run / "workers" / "worker-1.log", record + b"z" * 4096, BIG_LOG, b"")
+
+
+def test_a_huge_agent_log_is_read_in_bounded_pieces(tmp_path: Path) -> None:
+    """L1 of issue 43: the viewer read up to 64 MiB of a log whole (1.6 GB a page). The
+    memory reading the logs takes does not grow with them, and the page still shows
+    their last lines, and says what it left out."""
+    import tracemalloc
+
+    from agl.ui.agentlog import KEPT_BYTES, MAX_LINES, agent_log
+
+    big_logs(tmp_path, "t0.1.3")
+    tracemalloc.start()
+    try:
+        parts = agent_log(tmp_path, "t0.1.3", attempts=1)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * KEPT_BYTES < BIG_LOG / 4, peak
+    out, worker, endless = parts
+    assert out.source == "attempts/t0.1.3.1.out" and out.truncated
+    assert len(out.lines) == MAX_LINES and out.lines[-1] == "the last line"
+    assert worker.truncated and "searched" in worker.note
+    assert worker.lines[-1].endswith("rollout t0.1.3 says the last record")
+    assert sum(map(len, worker.lines)) <= KEPT_BYTES
+    assert endless.lines and sum(map(len, endless.lines)) <= KEPT_BYTES
+
+
+def test_the_viewer_serves_a_huge_agent_log_cut(tmp_path: Path) -> None:
+    """The same logs through a real gateway's viewer: the rollout page answers, with the
+    last lines and notes saying the log was cut and how far it was searched."""
+    from agl.ui.agentlog import KEPT_BYTES
+
+    run = tmp_path / "run"
+    run.mkdir()
+    big_logs(run, "big")
+    with gateway_process(tmp_path / "gateway", token=TOKEN, ui_run=run) as gw:
+        with GatewayClient(gw.url, gw.token) as admin:
+            admin.create_rollouts([{"rollout_id": "big", "group_id": "g"}])
+        with ui_client(gw) as client:
+            page = client.get("/ui/rollouts/big")
+    assert page.status_code == 200, page.text[:2000]
+    text = html.unescape(page.text)
+    for shown in (
+        "attempts/big.1.out",
+        "the last line</pre>",
+        "workers/worker-0.log",
+        "rollout big says the last record",
+        "only the last 64 MiB of the file were searched",
+        "Cut: the last lines are kept.",
+    ):
+        assert shown in text, shown
+    assert len(page.content) < 4 * 3 * KEPT_BYTES, len(page.content)  # three parts shown
