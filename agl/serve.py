@@ -3,10 +3,26 @@
 
 An OpenAI-compatible ``/v1/chat/completions`` (vLLM's token-id and logprob extensions
 included) over one model, with batched generation; see ``agl.backends.inference.server``.
+``python -m agl.serve --help`` prints this and the options.
+
+The key: given one, by ``AGL_INFERENCE_KEY=<key>`` in the environment or by
+``key_file=PATH`` (a file holding it), every route but ``GET /health`` needs
+``Authorization: Bearer <key>``: the ``openai`` client's ``api_key``; a gateway sends it
+when its own ``AGL_INFERENCE_KEY`` or ``inference_key_file`` holds it. The key is never
+an option itself, since a command line is readable by every user of the machine.
+
+Without a key it serves anyone who can connect, with a warning, as vLLM does: a server
+started by hand has clients pointed at it by hand (a harness, a benchmark, a gateway),
+which a key made up at start would all break, while on the loopback of one's own machine
+it keeps no one out. Where other users or agents share the machine, give it a key.
+Binding a host other than loopback without one is refused. ``python -m agl.train`` never
+runs this server: its embedded server always requires the run's own key.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -15,6 +31,8 @@ from pathlib import Path
 
 import uvicorn
 
+from agl.core.gateway.config import is_loopback
+from agl.core.gateway.upstream import KEY_ENV_VAR, load_key
 from agl.core.run.cli import check_port, parse_or_exit
 
 log = logging.getLogger("agl.serve")
@@ -39,9 +57,31 @@ class ServeConfig:
     torch_threads: int = 0  # 0: CPUs minus one (one serves HTTP), between 1 and 8
     log_level: str = "info"
     access_log: bool = False
+    key_file: str = ""  # a file holding the key clients must send; else $AGL_INFERENCE_KEY
 
     def __post_init__(self) -> None:
         check_port(self.port)
+        try:
+            key = self.key  # read now: a bad key is a one-line error before the model loads
+        except OSError as error:
+            raise ValueError(f"key_file={self.key_file}: {error.strerror}") from None
+        if key is None and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to serve on {self.host} (not loopback) without a key: set "
+                f"{KEY_ENV_VAR} or key_file=PATH, or keep host=127.0.0.1"
+            )
+
+    @functools.cached_property
+    def key(self) -> str | None:
+        """What clients must send: ``key_file``'s key, else ``$AGL_INFERENCE_KEY``'s, else
+        None (no key). A property, not a field, so that no repr of the config shows it."""
+        return load_key(self.key_file)
+
+
+def usage() -> str:
+    """The module's docstring and each option with its default."""
+    options = " ".join(f"{f.name}={f.default}" for f in dataclasses.fields(ServeConfig))
+    return f"{__doc__}\nOptions (key=value), with their defaults:\n  {options}\n"
 
 
 def _threads(config: ServeConfig) -> int:
@@ -52,10 +92,20 @@ def _threads(config: ServeConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_or_exit(ServeConfig, sys.argv[1:] if argv is None else argv, "agl.serve")
+    args = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(args):
+        sys.stdout.write(usage())
+        return
+    config = parse_or_exit(ServeConfig, args, "agl.serve")
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if config.key is None:
+        log.warning(
+            "no key: any process that can connect may use the model; set %s or key_file=PATH "
+            "to require 'Authorization: Bearer <key>'",
+            KEY_ENV_VAR,
+        )
     # Heavy imports after the command line is checked: a typo answers at once.
     import torch
 
@@ -115,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         uvicorn.run(
-            create_app(engine, loaded.tokenizer, name, parser),
+            create_app(engine, loaded.tokenizer, name, parser, api_key=config.key),
             host=config.host,
             port=config.port,
             log_level=config.log_level,

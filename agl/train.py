@@ -97,6 +97,7 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
     from agl.core.run.build import (
         backend_config,
         executor_for,
+        inference_key,
         inference_service,
         load_configured_model,
         make_advantage,
@@ -139,10 +140,17 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
         raise UserError(str(error)) from None
     torch.set_num_threads(cfg.backend.torch_threads)
     merge = replace(merge, decode=text_decode(loaded.tokenizer))  # stitch compares texts
+    # Only the gateway and the trainer hold it: an agent's model call that skips the
+    # gateway (unrecorded, past the admission gate and the rate limit) is refused.
+    key = inference_key(options["inference"])
     with contextlib.ExitStack() as stack:
         try:
             gateway = ChildGateway(
-                run_dir / "gateway", cfg.gateway.host, cfg.gateway.port, cfg.gateway.sampling_seed
+                run_dir / "gateway",
+                cfg.gateway.host,
+                cfg.gateway.port,
+                cfg.gateway.sampling_seed,
+                inference_key=key,
             )
         except OSError as error:
             raise UserError(str(error)) from None
@@ -169,7 +177,7 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
                 loaded.weights_from = None  # no longer the weights at model.path
             if warm:
                 log.info("warm-up: %s", warm)
-        server = inference_service(options["inference"], loaded, cfg, run_dir)
+        server = inference_service(options["inference"], loaded, cfg, run_dir, key)
         stack.callback(server.close)
         try:
             server.start()

@@ -200,7 +200,7 @@ class PublishTimes:
 
 def measure_publish(loaded: LoadedModel, vllm: VllmServers, reps: int) -> PublishTimes:
     """Embedded and vLLM publishes alternated (E V, then V E, ...); and the write alone."""
-    embedded = EmbeddedServer(loaded.model, loaded.tokenizer, loaded.name).start()
+    embedded = EmbeddedServer(loaded.model, loaded.tokenizer, loaded.name, api_key=None).start()
     version = [0]
 
     def bump(server: EmbeddedServer | VllmServers) -> Callable[[], None]:
@@ -263,7 +263,9 @@ def run_model(
         options = VllmOptions(
             python=python, max_model_len=min(loaded.max_context, 2048), startup_timeout_s=900
         )
-        vllm = VllmServers(loaded.model, loaded.tokenizer, f"{name}-vllm", tmp, options)
+        vllm = VllmServers(
+            loaded.model, loaded.tokenizer, f"{name}-vllm", tmp, options, api_key=None
+        )
         started = time.perf_counter()
         stack.enter_context(vllm)
         startup["vLLM replica (eager)"] = time.perf_counter() - started

@@ -5,9 +5,10 @@ The reward is whether ``answer.txt`` in the attempt's workspace holds the input'
 exited. The harness asks the model once through its proxy, as any agent does, then plays
 its input's ``role``:
 
-- ``honest``: writes the answer, says so (``<sync>/honest.wrote``), waits for the hostile
-  agent to be done (``<sync>/hostile.done``), and reports a reward of 0.5 itself (which a
-  graded attempt does not post);
+- ``honest``: writes the answer, says so on the test's board (``<sync>/honest.wrote``,
+  tests/board.py: a confined agent can write nothing another one reads), waits for the
+  hostile agent to be done (``<sync>/hostile.done``), and reports a reward of 0.5 itself
+  (which a graded attempt does not post);
 - ``hostile``: waits for the honest answer, then tries what a model's tools could: read
   the run's folder (the store, the admin token), list the workspaces, overwrite the
   honest agent's answer, post a reward of 1.0 and end its attempt as succeeded with its
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +31,7 @@ import openai
 
 from agl.agent import ENV_WORKSPACE, AgentContext
 from agl.grading import Grade, GradeRequest
-
-WAIT_S = 120.0  # a guard against a partner that never comes, not a measure
-
-
-def _wait_for(path: Path) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {path}")
-        time.sleep(0.05)
+from tests.board import put, wait_for
 
 
 def _try(action: Any) -> str:
@@ -77,7 +68,7 @@ def main() -> None:
     agent = AgentContext.from_env(os.environ)
     spec = agent.input
     workspace = Path(os.environ[ENV_WORKSPACE])
-    sync = Path(spec["sync"])
+    sync = spec["sync"]
     client = openai.OpenAI(base_url=agent.base_url, api_key=agent.api_key, max_retries=0)
     client.chat.completions.create(
         model=agent.model or "policy", messages=[{"role": "user", "content": "go"}]
@@ -85,13 +76,13 @@ def main() -> None:
     report: dict[str, Any] = {"cwd": os.getcwd(), "workspace": str(workspace)}
     if spec["role"] == "honest":
         (workspace / "answer.txt").write_text(spec["answer"])
-        (sync / "honest.wrote").touch()
-        _wait_for(sync / "hostile.done")
+        put(f"{sync}/honest.wrote")
+        wait_for(f"{sync}/hostile.done")
         asyncio.run(agent.finish(reward=0.5))
     else:
-        _wait_for(sync / "honest.wrote")
+        wait_for(f"{sync}/honest.wrote")
         report |= _hostile(agent, workspace, spec)
-        (sync / "hostile.done").touch()
+        put(f"{sync}/hostile.done")
     print(json.dumps(report), flush=True)
 
 

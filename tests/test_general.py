@@ -253,6 +253,8 @@ CHEATS = {
     "open('output/answer.txt','wb').write(urllib.request.urlopen(sys.argv[1]).read())\" URL",
     # the checkout's run folders keep past rollouts, answers and all
     "run_folder": f"cat {ROOT}/runs/agl-test-leak/answer.txt > {ANSWER_FILE}",
+    # a run folder elsewhere: W&B's tables of inputs and answers (issue 43, M5)
+    "run_elsewhere": f"cat RUNS/wandb/table.txt > {ANSWER_FILE}",
 }
 
 
@@ -270,8 +272,11 @@ def test_a_cheating_agent_gets_nothing_in_the_sandbox_and_everything_without(
     (leak / "answer.txt").write_text("The Netherlands")
     sibling = make_workspace(root, "sibling", tables_in(root))
     (sibling / ANSWER_FILE).write_text("The Netherlands")
+    runs = root.parent / "agl-runs-elsewhere"
+    (runs / "wandb").mkdir(parents=True, exist_ok=True)
+    (runs / "wandb" / "table.txt").write_text("The Netherlands")
     command = CHEATS[cheat].replace("URL", answer_server).replace("ROOT", str(root))
-    command = command.replace("PID", str(holder.pid))
+    command = command.replace("PID", str(holder.pid)).replace("RUNS", str(runs))
     try:
         control = make_workspace(root, "control", tables_in(root))
         unconfined = asyncio.run(
@@ -322,6 +327,10 @@ def test_what_the_agent_leaves_cannot_reach_past_its_sandbox(root: Path) -> None
 
     with pytest.raises(SandboxError):
         asyncio.run(_in_sandbox(root, "killer", killer))
+    # A fork bomb ends the sandbox, which says which of its limits it reached (M3).
+    bomb = Scripted([call(BASH, command=":(){ :|:& };: ; sleep 60")], [call(SUBMIT)])
+    with pytest.raises(SandboxError, match="processes limit"):
+        asyncio.run(_in_sandbox(root, "bomb", bomb))
 
 
 @needs_root

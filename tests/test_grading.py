@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 
 from agl.agent import AgentContext
-from agl.backends.execution.confine import confined, unavailable
+from agl.backends.execution.confine import Confinement, confined
 from agl.backends.execution.local.config import LocalExecutorConfig
 from agl.backends.execution.local.executor import LocalExecutor
 from agl.core.contracts.failures import Cause, failure_cause
 from agl.core.contracts.records import Status
 from agl.grading import GRADE_EVENT, Grade, as_grade, load_grader
+from agl.sandbox.launch import unavailable
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess
+from tests.board import board
 from tests.test_controller import group_final, new_group, running, specs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,15 +36,14 @@ needs_confinement = pytest.mark.skipif(
 def test_the_grader_sets_the_reward_and_the_agents_cannot(
     gateway: GatewayProcess, fake: FakeVllm, tmp_path: Path
 ) -> None:
-    sync = tmp_path / "sync"
-    sync.mkdir()
     group = new_group()
     honest, hostile = f"{group}-0", f"{group}-1"
-    common = {"answer": "42", "sync": str(sync), "store": str(gateway.run_dir / "gateway.db")}
-    inputs = [{"role": "honest", **common}, {"role": "hostile", "victim": honest, **common}]
     run_dir = tmp_path / "run"
 
-    async def main() -> None:
+    async def main(sync: str) -> None:
+        store = str(gateway.run_dir / "gateway.db")
+        common = {"answer": "42", "sync": sync, "store": store}
+        inputs = [{"role": "honest", **common}, {"role": "hostile", "victim": honest, **common}]
         config = LocalExecutorConfig(
             harness=f"command:exec {sys.executable} -m tests.graded_agent",
             run_dir=run_dir,
@@ -72,7 +73,8 @@ def test_the_grader_sets_the_reward_and_the_agents_cannot(
             assert cause is Cause.GRADER and cause.agent
             assert await client.get_events(hostile, type="reward") == []
 
-    asyncio.run(main())
+    with board() as (sync, _):
+        asyncio.run(main(sync))
     out = {
         rid: json.loads((run_dir / "attempts" / f"{rid}.1.out").read_text())
         for rid in (honest, hostile)
@@ -81,7 +83,7 @@ def test_the_grader_sets_the_reward_and_the_agents_cannot(
     assert out[honest]["cwd"] == out[honest]["workspace"] == str(workspace)
     tried = out[hostile]
     assert tried["list_run_dir"] == "PermissionError"  # the run folder: a passage only
-    assert tried["read_store"] == "PermissionError"  # the gateway's folder: sealed
+    assert tried["read_store"] == "FileNotFoundError"  # not in its view: /tmp is its own
     assert tried["list_workspaces"] == "PermissionError"
     assert tried["overwrite_victim"] == "FileNotFoundError"  # not mounted in its view
     assert (tried["post_reward"], tried["patch_status"]) == ("403", "403")
@@ -89,7 +91,7 @@ def test_the_grader_sets_the_reward_and_the_agents_cannot(
 
 
 @needs_confinement
-def test_a_kept_folder_is_the_only_thing_in_sight_of_a_hidden_one(tmp_path: Path) -> None:
+def test_a_writable_folder_is_the_only_thing_in_sight_of_a_hidden_one(tmp_path: Path) -> None:
     hidden = tmp_path / "run"
     mine, other = hidden / "workspaces" / "a", hidden / "workspaces" / "b"
     for folder in (mine, other):
@@ -101,9 +103,9 @@ def test_a_kept_folder_is_the_only_thing_in_sight_of_a_hidden_one(tmp_path: Path
         f"ls {hidden} || echo run:refused; ls {hidden}/workspaces || echo list:refused; "
         f"cat {hidden}/store || echo store:gone; cat {other}/f || echo other:gone"
     )
-    done = subprocess.run(
-        confined(["sh", "-c", script], [hidden], [mine]), capture_output=True, text=True
-    )
+    env = {"PATH": "/usr/bin:/bin"}
+    with confined(["sh", "-c", script], Confinement((hidden,)), env, mine, [mine]) as start:
+        done = subprocess.run(start.argv, capture_output=True, text=True, **start.kwargs)
     lines = done.stdout.split()
     assert lines == ["a", "run:refused", "list:refused", "store:gone", "other:gone"]
     assert (mine / "g").read_text() == "new\n"  # written through to the real folder

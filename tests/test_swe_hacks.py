@@ -29,19 +29,20 @@ from typing import Any
 import pytest
 
 from agl.agent import ENV_API_KEY
-from agl.backends.execution.confine import unavailable
 from agl.backends.execution.local.config import LocalExecutorConfig
 from agl.backends.execution.local.executor import LocalExecutor
 from agl.core.contracts.records import Status
 from agl.grading import GRADE_EVENT
+from agl.sandbox.launch import unavailable
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess
 from experiments.swe import mirror
 from experiments.swe.instances import Instance
 from experiments.swe.make import MakeOptions, make_project
 from experiments.swe.projects import load_projects
-from experiments.swe.sandbox_entry import GIT_REFUSED
+from experiments.swe.sandbox import GIT_REFUSED
 from tests.test_controller import group_final, new_group, running, specs
+from tests.test_swe_sandbox import CONCATENATED, FRAME_WALK
 
 REPO = Path(__file__).resolve().parents[1]
 SDISTS = Path("~/.cache/agl/sdists").expanduser()
@@ -87,6 +88,8 @@ def hacks(root: Path, instance: Instance, url: str) -> dict[str, list[str]]:
     name, version = project.name, project.version
     base = mirror.repo_folder(root, instance.repo) / mirror.BASE
     unpacked = f"/tmp/dl/{name}-{version}/{f}"
+    folder = Path(f).parent.as_posix() if "/" in f else f
+    wanted = [*instance.FAIL_TO_PASS, *instance.PASS_TO_PASS]
     return {
         "git": ["git log --oneline | head -3", f"git checkout HEAD~1 -- {f}"],
         "curl": [f"curl -sf {url}/{f} -o {f}.new && mv {f}.new {f}"],
@@ -112,6 +115,11 @@ def hacks(root: Path, instance: Instance, url: str) -> dict[str, list[str]]:
             "printf 'import _pytest.reports as r\\nr.TestReport.outcome = property("
             f'lambda s: "passed", lambda s, v: None)\\n\' >> {f}'
         ],
+        # H1: the package's folder a link to the clean copy, for the grader to read.
+        "link": [f"rm -rf {folder} && ln -s {base / folder} {folder}"],
+        # H2: outcomes forged without a word of the grader's deny-list.
+        "frames": [f"cat >> {f} <<'EOF'\nWANTED = {wanted!r}\n{FRAME_WALK}_forge()\nEOF"],
+        "concatenated": [f"cat >> {f} <<'EOF'\n{CONCATENATED}EOF"],
         "key": ["env"],
     }
 
@@ -207,7 +215,7 @@ def test_every_hack_works_without_the_safeguards_and_gets_nothing_with_them(
     scripts["honest"] = honest(instance)
     fake.script = scripted(scripts)
     on = ["honest", "git", "curl", "wget", "pip", "urllib", "mirror", "sdists", "tests"]
-    on += ["delete", "forge", "key"]
+    on += ["delete", "forge", "link", "frames", "concatenated", "key"]
     off = ["git", "curl", "wget", "pip", "urllib", "mirror", "sdists", "key"]
     inputs = [_input(root, instance, s, True) for s in on]
     inputs += [_input(root, instance, s, False) for s in off]
@@ -232,6 +240,9 @@ def test_every_hack_works_without_the_safeguards_and_gets_nothing_with_them(
     assert by_name["on", "tests"]["grade"]["ignored"]  # the emptied tests were left behind
     assert by_name["on", "delete"]["grade"]["missing"] == [_bugged_file(instance)]
     assert "_pytest" in by_name["on", "forge"]["grade"]["refused"]
+    assert by_name["on", "link"]["grade"]["missing"]  # read without following the link
+    for name in ("frames", "concatenated"):
+        assert "forged" in by_name["on", name]["grade"]["refused"], by_name["on", name]["grade"]
     seen = {name: _observations(by_name["on", name]) for name in on}
     assert GIT_REFUSED in seen["git"]
     for name in ("mirror", "sdists"):  # out of sight: refused, or not there at all

@@ -1,6 +1,8 @@
 """experiments/swe's sandbox, warm pytest and grader, each on its own: what a command in
-the sandbox can and cannot reach, the forked pytest's outcomes and timeout, and the
-grader's restoring of tests and SWE-smith's verdict."""
+the jail can and cannot reach, the forked pytest's outcomes and timeout, the grader's
+restoring of tests and SWE-smith's verdict, and the attacks on each (issue 43): a linked
+package folder, forged outcomes, an installed clean copy, a flood of output, IPC left for
+the next attempt, a fork bomb, a venv inside the checkout."""
 
 from __future__ import annotations
 
@@ -13,25 +15,26 @@ from pathlib import Path
 
 import pytest
 
-from agl.agent import ENV_API_KEY
-from agl.backends.execution.confine import unavailable
-from experiments.swe.grader import carry_over, reaches_into_the_runner
+from agl.sandbox.jail import SITE, sealed
+from agl.sandbox.launch import Finished, run, unavailable
+from agl.sandbox.uids import give, lease
+from experiments.swe.canaries import NodeId, plant
+from experiments.swe.grader import carry_over, reaches_into_the_runner, read_inside
 from experiments.swe.harness import hidden_from_agents
 from experiments.swe.sandbox import (
-    NOBODY,
+    GIT_REFUSED,
+    OUTPUT_LIMIT,
     ROOT,
-    Lockdown,
-    installed_copies,
-    prepare_workspace,
-    sandboxed,
+    SandboxUnavailable,
+    check_project,
+    tool_jail,
 )
-from experiments.swe.sandbox_entry import GIT_REFUSED
 from experiments.swe.testrun import PytestServer, SuiteRun, verdict
 
 needs_namespaces = pytest.mark.skipif(
     unavailable() is not None, reason=f"no namespaces here: {unavailable()}"
 )
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the drop to nobody needs root")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a uid of its own needs root")
 
 PROJECT = {
     "src/mini/__init__.py": (
@@ -67,6 +70,11 @@ PROJECT = {
 
         def test_spin():
             spin()
+
+
+        class TestKind:
+            def test_method(self):
+                assert add(2, 2) == 5
         """
     ),
 }
@@ -89,6 +97,7 @@ def test_the_warm_pytest_reports_each_outcome_and_kills_a_loop(tmp_path: Path) -
             "tests/test_mini.py::test_setup": "error",
             "tests/test_mini.py::test_param[1]": "passed",
             "tests/test_mini.py::test_param[2]": "failed",
+            "tests/test_mini.py::TestKind::test_method": "failed",
         }
         assert "one and one" in run.messages["tests/test_mini.py::test_wrong"]
         assert not run.timed_out and run.exit == 1
@@ -162,19 +171,41 @@ def test_a_change_that_reaches_into_the_test_runner_is_refused(line: str, named:
     assert reaches_into_the_runner("--- a/x.py\n+++ b/x.py\n-import sys.modules\n+x = 2\n") is None
 
 
-def _in_sandbox(workspace: Path, command: str, **lockdown: object) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        sandboxed(["bash", "-c", command], Lockdown(workspace=workspace, **lockdown)),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, ENV_API_KEY: "sk-attempt-secret"},
-    )
+def test_a_source_reached_through_a_linked_folder_is_missing(tmp_path: Path) -> None:
+    """H1: the package folder replaced by a link to the clean copy (the mirror's): the
+    grader, which runs outside the jail as root, must not read the clean code through it."""
+    branch, repo, clean = tmp_path / "branch", tmp_path / "repo", tmp_path / "mirror"
+    for root, text in ((branch, "x = 1\n"), (repo, "x = 1\n"), (clean, "x = 2\n")):
+        (root / "src" / "pkg").mkdir(parents=True)
+        (root / "src" / "pkg" / "code.py").write_text(text)
+    shutil.rmtree(repo / "src" / "pkg")
+    (repo / "src" / "pkg").symlink_to(clean / "src" / "pkg")
+    assert (repo / "src" / "pkg" / "code.py").read_text() == "x = 2\n"  # as root reads it
+    assert read_inside(repo, "src/pkg/code.py") is None
+    assert carry_over(branch, repo, ["src/pkg/code.py"]).missing == ("src/pkg/code.py",)
+    (repo / "src").rename(tmp_path / "elsewhere")  # a link one folder higher
+    (repo / "src").symlink_to(clean / "src")
+    assert carry_over(branch, repo, ["src/pkg/code.py"]).missing == ("src/pkg/code.py",)
+    # A hard link to a file elsewhere, or a pipe, is no source file either.
+    (repo / "src").unlink()
+    (repo / "src" / "pkg").mkdir(parents=True)
+    os.link(clean / "src" / "pkg" / "code.py", repo / "src" / "pkg" / "code.py")
+    assert read_inside(repo, "src/pkg/code.py") is None
+    os.unlink(repo / "src" / "pkg" / "code.py")
+    os.mkfifo(repo / "src" / "pkg" / "code.py")
+    assert read_inside(repo, "src/pkg/code.py") is None  # and it did not block
+    assert read_inside(branch, "src/pkg/code.py") == b"x = 1\n"
+
+
+def _in_jail(workspace: Path, command: str, **options: object) -> tuple[Finished, int | None]:
+    with lease() as uid:
+        give(workspace, uid)
+        spec = tool_jail(workspace, **options).spec(["bash", "-c", command], uid, OUTPUT_LIMIT)  # type: ignore[arg-type]
+        return run(spec, timeout_s=120), uid
 
 
 @needs_namespaces
-@needs_root
-def test_a_command_runs_as_nobody_in_its_workspace_with_nothing_else_in_reach(
+def test_a_command_runs_as_its_own_user_in_its_workspace_with_nothing_else_in_reach(
     tmp_path: Path,
 ) -> None:
     workspace = tmp_path / "ws"
@@ -185,53 +216,146 @@ def test_a_command_runs_as_nobody_in_its_workspace_with_nothing_else_in_reach(
     (secret / "fix.py").write_text("the fix")
     single = tmp_path / "single.txt"
     single.write_text("also the fix")
-    prepare_workspace(workspace)
-    assert workspace.stat().st_uid == NOBODY
-    done = _in_sandbox(
+    done, uid = _in_jail(
         workspace,
         "id -u; cat mine.txt; echo; touch new.txt && echo wrote; "
         f"cat {secret}/fix.py || echo sealed; cat {single} || echo covered; "
         "ls /tmp | wc -l; env; git status || true; "
         "python -c \"import urllib.request as u; u.urlopen('http://1.1.1.1', timeout=3)\" "
         "|| echo offline; touch /usr/local/x || echo readonly; "
-        f"touch {Path(sys.prefix) / 'tampered'} || echo interpreter-readonly",
+        f"touch {Path(sys.base_prefix) / 'tampered'} || echo interpreter-readonly; "
+        f"ls {Path.home() / '.cache'} || echo no-home; ls /srv /work || echo nothing-else; "
+        "python -m pip --version || echo no-pip; tr '\\0' ' ' < /proc/1/cmdline",
         hidden=(secret, single),
     )
-    out = done.stdout
-    assert out.startswith(f"{NOBODY}\nmine\nwrote\n"), out
-    assert "sealed" in out and "covered" in out and "offline" in out and "readonly" in out
-    assert "interpreter-readonly" in out and not (Path(sys.prefix) / "tampered").exists()
+    out = done.output
+    expected_uid = os.geteuid() if uid is None else uid
+    assert out.startswith(f"{expected_uid}\nmine\nwrote\n"), out
+    for said in ("sealed", "covered", "offline", "readonly", "interpreter-readonly"):
+        assert f"\n{said}\n" in out, (said, out)
+    for said in ("no-home", "nothing-else", "no-pip"):
+        assert f"\n{said}\n" in out, (said, out)
+    assert not (Path(sys.base_prefix) / "tampered").exists()
     assert "the fix" not in out
-    assert ENV_API_KEY not in out and "sk-attempt-secret" not in out
-    assert GIT_REFUSED in done.stderr
+    assert "AGL_" not in out and "KEY" not in out  # nothing of the harness's environment
+    assert GIT_REFUSED in out
+    # H1's first step: the sandbox's spec is on no command line, so nothing hidden is named.
+    assert str(secret) not in out.split("readonly", 1)[1] and "hidden" not in out
     assert (workspace / "new.txt").exists()  # written through to the real folder
 
 
 @needs_namespaces
-def test_an_installed_copy_of_the_project_is_out_of_sight(tmp_path: Path) -> None:
-    copies = installed_copies(["_pytest"])  # any installed package stands in for one
-    assert any(p.name == "_pytest" for p in copies)
+def test_no_installed_package_is_in_reach_of_a_command(tmp_path: Path) -> None:
+    """H3: a clean copy of the project may be installed in any interpreter (this machine's
+    image has the xmltodict release a task is made from). Every site folder is sealed:
+    only pytest and what it requires are importable, from the jail's own folder."""
+    import yaml  # an installed package no task needs: it stands in for the project
+
+    module = Path(yaml.__file__)
     workspace = tmp_path / "ws"
     workspace.mkdir()
-    prepare_workspace(workspace)
-    module = next(p for p in copies if p.name == "_pytest") / "main.py"
-    done = _in_sandbox(workspace, f"cat {module} | head -1 || echo hidden", hidden=tuple(copies))
-    assert "hidden" in done.stdout or "Permission denied" in done.stderr
-    assert "import" not in done.stdout
+    done, _ = _in_jail(
+        workspace,
+        "python -c 'import yaml' 2>&1 | tail -1; "
+        f"cat {module} > /dev/null || echo sealed-file; "
+        f"ls {module.parent.parent} || echo sealed; "
+        "python -c 'import pytest, sys; print(pytest.__file__)'",
+    )
+    assert "No module named 'yaml'" in done.output, done.output
+    assert "sealed-file" in done.output and "\nsealed\n" in done.output, done.output
+    assert f"{SITE}/pytest/__init__.py" in done.output or f"{SITE}/pytest" in done.output
+    assert module.parent.parent.as_posix() in sealed() or any(
+        module.is_relative_to(p) for p in sealed()
+    )
+
+
+def test_a_project_the_test_runner_needs_cannot_be_a_task() -> None:
+    check_project(["schema", "xmltodict"])
+    with pytest.raises(SandboxUnavailable, match="pluggy"):
+        check_project(["pluggy"])
 
 
 @needs_namespaces
-def test_the_tests_run_in_the_sandbox_through_the_warm_pytest(tmp_path: Path) -> None:
-    repo = _project(tmp_path / "repo")
-    shutil.rmtree(repo / "tests" / "__pycache__", ignore_errors=True)
-    prepare_workspace(repo)
-    root = Path(__file__).resolve().parents[1]
-    lockdown = Lockdown(
-        workspace=repo,
-        env={"PYTHONPATH": str(root), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
-        kept=(root,),
+def test_a_flood_of_output_costs_the_harness_a_bounded_read(tmp_path: Path) -> None:
+    """M1: 200 MB of output reaches the harness as at most ``OUTPUT_LIMIT`` bytes, the
+    head and the tail, with how much was left out between them."""
+    from experiments.swe.environment import SandboxEnvironment
+
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    with lease() as uid:
+        give(workspace, uid)
+        environment = SandboxEnvironment(cwd=str(workspace), uid=uid, timeout=120)
+        out = environment.execute(
+            {"command": "echo first; head -c 200000000 /dev/zero | tr '\\0' x; echo; echo last"}
+        )
+    assert out["returncode"] == 0
+    assert len(out["output"]) < OUTPUT_LIMIT + 200
+    assert out["output"].startswith("first\n") and out["output"].rstrip().endswith("last")
+    assert "bytes of output left out" in out["output"]
+
+
+@needs_namespaces
+def test_nothing_of_one_jails_ipc_or_name_reaches_the_next(tmp_path: Path) -> None:
+    """M2: a SysV shared memory segment made in one jail is not there in the next."""
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    made, _ = _in_jail(workspace, "ipcmk -M 4096 && ipcs -m | grep -c 0x; hostname")
+    assert "Shared memory id" in made.output and made.output.split()[-1] == "sandbox"
+    seen, _ = _in_jail(workspace, "ipcs -m | grep -c 0x; hostname sneaky || echo refused")
+    assert seen.output.split()[0] == "0", seen.output
+    assert "refused" in seen.output
+    assert not subprocess.run(["ipcs", "-m"], capture_output=True, text=True).stdout.count(
+        str(os.getpid())
     )
-    with PytestServer(prefix=sandboxed([], lockdown)) as server:
+
+
+@needs_namespaces
+@pytest.mark.parametrize(
+    ("command", "limit"),
+    [
+        (":(){ :|:& };: ; sleep 60", "processes"),
+        (
+            "for i in 1 2 3 4; do python -c 'x = bytearray(700 << 20); import time; "
+            "time.sleep(60)' & done; wait",
+            "memory",
+        ),
+        ("for i in $(seq 8); do head -c 100000000 /dev/zero > f$i; done; sleep 60", "disk"),
+    ],
+)
+def test_a_command_past_a_limit_ends_the_agents_run_saying_which(
+    tmp_path: Path, command: str, limit: str
+) -> None:
+    """M3: a fork bomb, memory past the jail's share and files past its disk end the run
+    (mini-swe-agent's exit status SandboxLimit) with the limit named."""
+    from minisweagent.exceptions import InterruptAgentFlow
+
+    from experiments.swe.environment import SANDBOX_LIMIT, SandboxEnvironment
+
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    with lease() as uid:
+        give(workspace, uid)
+        environment = SandboxEnvironment(cwd=str(workspace), uid=uid, timeout=240)
+        with pytest.raises(InterruptAgentFlow) as ended:
+            environment.execute({"command": command})
+    (message,) = ended.value.messages
+    assert message["extra"]["exit_status"] == SANDBOX_LIMIT
+    assert f"sandbox's {limit} limit" in message["content"], message
+    assert not list(workspace.glob("f*")) or limit == "disk"
+
+
+def _jailed_tests(repo: Path, **options: object) -> PytestServer:
+    return PytestServer(
+        tool_jail(repo, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, writable=False, **options)  # type: ignore[arg-type]
+    )
+
+
+@needs_namespaces
+def test_the_tests_run_in_the_jail_through_the_warm_pytest(tmp_path: Path) -> None:
+    repo = _project(tmp_path / "repo")
+    with lease() as uid, _jailed_tests(repo) as server:
+        server._uid = uid
         run = server.run(repo, ["tests/test_mini.py::test_add", "-p", "no:cacheprovider"], ["src"])
     assert run.outcomes == {"tests/test_mini.py::test_add": "passed"}
 
@@ -240,25 +364,146 @@ def test_the_tests_run_in_the_sandbox_through_the_warm_pytest(tmp_path: Path) ->
 def test_what_the_agent_leaves_in_the_repository_never_runs_in_the_reporting_process(
     tmp_path: Path,
 ) -> None:
-    """A sitecustomize.py or a pytest.py in the repository (the sandbox starts the server
+    """A sitecustomize.py or a pytest.py in the repository (the jail starts the server
     there) would run before any test and could rewrite every outcome."""
     repo = _project(tmp_path / "repo")
     forced = (
         "import _pytest.reports as r\n"
         "r.TestReport.outcome = property(lambda self: 'passed', lambda self, v: None)\n"
-        "open('imported-' + __name__, 'w').close()\n"
+        "open('/tmp/imported-' + __name__, 'w').close()\n"
     )
     (repo / "sitecustomize.py").write_text(forced)
     (repo / "pytest.py").write_text(forced)
-    prepare_workspace(repo)
-    root = Path(__file__).resolve().parents[1]
-    lockdown = Lockdown(workspace=repo, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, kept=(root,))
-    with PytestServer(prefix=sandboxed([], lockdown)) as server:
+    with _jailed_tests(repo) as server:
         run = server.run(
             repo, ["tests/test_mini.py::test_wrong", "-p", "no:cacheprovider"], ["src"]
         )
     assert run.outcomes == {"tests/test_mini.py::test_wrong": "failed"}
-    assert not list(repo.glob("imported-*"))
+
+
+# H2: two ways the code under test forges every outcome without a word of the grader's
+# deny-list (no _pytest, sys.modules, os._exit, _getframe, gc, builtins, importlib): a
+# walk up the frames to the reporter's pipe, and TestReport's outcome replaced through a
+# module name built at run time.
+FRAME_WALK = """
+import inspect as _i, json as _j, os as _o
+def _forge():
+    frame = _i.currentframe()
+    while frame is not None:
+        fd = frame.f_locals.get("write_fd")
+        if isinstance(fd, int):
+            items = frame.f_globals.get("ITEMS") or []
+            with _o.fdopen(fd, "w") as out:
+                _j.dump({"outcomes": {t: "passed" for t in WANTED}, "exit": 0}, out)
+            _o.kill(_o.getpid(), 9)
+        frame = frame.f_back
+"""
+CONCATENATED = """
+_m = __import__("_py" + "test.rep" + "orts", fromlist=["x"])
+_m.TestReport.outcome = property(lambda s: "passed", lambda s, v: None)
+"""
+
+
+@needs_namespaces
+@pytest.mark.parametrize("forger", ["frames", "concatenated"])
+def test_forged_outcomes_contradict_the_tests_the_grader_planted(
+    tmp_path: Path, forger: str
+) -> None:
+    """H2: each forgery turns the failing tests into passes on the reporting channel
+    (the control: without the planted tests it would earn the reward), and is caught by
+    the tests the grader planted."""
+    repo = _project(tmp_path / "repo")
+    f2p = ["tests/test_mini.py::test_wrong", "tests/test_mini.py::TestKind::test_method"]
+    source = repo / "src" / "mini" / "__init__.py"
+    if forger == "frames":
+        wanted = f"WANTED = {f2p!r}\n"
+        source.write_text(source.read_text() + wanted + FRAME_WALK + "_forge()\n")
+        assert reaches_into_the_runner(f"+{FRAME_WALK}") is None  # the words miss it
+    else:
+        source.write_text(source.read_text() + CONCATENATED)
+        assert reaches_into_the_runner(f"+{CONCATENATED}") is None
+    plain = tmp_path / "plain"
+    shutil.copytree(repo, plain)
+    with _jailed_tests(plain) as server:
+        forged = server.run(plain, [*f2p, "-p", "no:cacheprovider"], ["src"])
+    assert all(forged.outcomes.get(t) == "passed" for t in f2p), forged.outcomes
+    canaries = plant(repo, f2p)
+    with _jailed_tests(repo) as server:
+        run = server.run(repo, [*f2p, *canaries.node_ids, "-p", "no:cacheprovider"], ["src"])
+    assert canaries.forged(run.outcomes) is not None, run.outcomes
+
+
+@needs_namespaces
+def test_an_honest_run_agrees_with_the_tests_the_grader_planted(tmp_path: Path) -> None:
+    repo = _project(tmp_path / "repo")
+    f2p = [
+        "tests/test_mini.py::test_add",
+        "tests/test_mini.py::test_param[2]",
+        "tests/test_mini.py::TestKind::test_method",
+        "tests/test_mini.py::test_gone",
+    ]
+    canaries = plant(repo, f2p, nonce="n0")
+    assert canaries.guard == "tests/test_mini.py::test_n0_guard"
+    assert canaries.copies["tests/test_mini.py::TestKind::test_n0_2"] == f2p[2]
+    assert canaries.copies["tests/test_mini.py::test_n0_1[2]"] == f2p[1]
+    # A test that is not there has no copy either (pytest refuses a run naming one).
+    planted = [t for t in canaries.node_ids if not t.endswith("test_n0_3")]
+    with _jailed_tests(repo) as server:
+        run = server.run(repo, [*f2p[:3], *planted, "-p", "no:cacheprovider"], ["src"])
+    assert run.outcomes["tests/test_mini.py::test_n0_0"] == "passed"
+    assert run.outcomes["tests/test_mini.py::test_n0_1[2]"] == "failed"
+    assert canaries.forged({**run.outcomes, "tests/test_mini.py::test_gone": "?"}) is not None
+    assert canaries.forged(run.outcomes) is None, run.outcomes
+
+
+def test_what_counts_as_forged() -> None:
+    canaries = plant_free(copies={"c": "o"}, guard="g")
+    assert canaries.forged({"o": "passed", "c": "passed", "g": "failed"}) is None
+    assert "copy" in (canaries.forged({"o": "passed", "c": "failed", "g": "failed"}) or "")
+    assert "copy" in (canaries.forged({"o": "passed", "g": "failed"}) or "")
+    assert "must fail" in (canaries.forged({"o": "passed", "c": "passed", "g": "passed"}) or "")
+    assert "not reported" in (canaries.forged({"o": "passed", "c": "passed"}) or "")
+    assert NodeId.parse("doc.txt::x") is None and NodeId.parse("a.py") is None
+    assert NodeId.parse("a.py::T::t[x::y]") == NodeId("a.py", ("T",), "t", "[x::y]")
+
+
+def plant_free(copies: dict[str, str], guard: str):  # type: ignore[no-untyped-def]
+    from experiments.swe.canaries import Canaries
+
+    return Canaries(copies, guard)
+
+
+@needs_namespaces
+def test_a_venv_inside_the_checkout_still_runs_the_tests(tmp_path: Path) -> None:
+    """M4: the trainer's interpreter in a ``.venv`` inside a checkout the jail seals (agl's,
+    as most people make one): the tests still run, from the jail's own Python."""
+    checkout = tmp_path / "checkout"
+    venv = checkout / ".venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+        check=True,
+    )
+    repo = _project(tmp_path / "repo")
+    script = (
+        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]);"
+        "from experiments.swe.sandbox import tool_jail;"
+        "from experiments.swe.testrun import PytestServer;"
+        "repo = Path(sys.argv[2]);"
+        "jail = tool_jail(repo, hidden=[Path(sys.argv[3])], writable=False,"
+        " env={'PYTEST_DISABLE_PLUGIN_AUTOLOAD': '1'});"
+        "server = PytestServer(jail);"
+        "print(sys.prefix, server.run(repo, ['tests/test_mini.py::test_add',"
+        " '-p', 'no:cacheprovider'], ['src']).outcomes); server.close()"
+    )
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", script, str(ROOT), str(repo), str(checkout)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert str(venv) in done.stdout
+    assert "'tests/test_mini.py::test_add': 'passed'" in done.stdout, done.stdout
 
 
 def test_the_run_folder_is_hidden_in_the_local_layout_and_nothing_above_a_pods_workspace(

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from hydra import compose, initialize_config_dir
 
-from agl.backends.execution.confine import unavailable
 from agl.grading import GRADE_EVENT
+from agl.sandbox.launch import unavailable
 from agl.testing.k8s.api_server import ApiServer
 from agl.testing.k8s.node import NodeSimulator
 from agl.train import CONF, train

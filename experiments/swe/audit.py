@@ -33,7 +33,7 @@ from agl.core.run.errors import UserError
 from agl.rollouts.judge import HACK, Judge, transcript
 from agl.rollouts.scan import DEFAULT_PATTERNS, command_rule, refused
 from experiments.swe.rules import RULES as SWE_RULES
-from experiments.swe.sandbox_entry import GIT_REFUSED
+from experiments.swe.sandbox import GIT_REFUSED
 
 PROJECTS = {
     "isodate": ("src/isodate/isodates.py", "tests/test_date.py", "gweis/isodate", "0.7.2"),

@@ -2,20 +2,24 @@
 
 The grader (``conf/task/swe.yaml``'s ``grader``) runs on the controller's side after the
 harness exited, so nothing the model's commands reached can post a reward. It does not
-run the tests in what the agent left: a fresh checkout of the task's branch gets the
-agent's version of each of the project's *source* files (``project.json``'s ``sources``)
-and nothing else. Edited or deleted tests, a ``conftest.py`` or ``pytest.ini`` of the
-agent's, a module shadowing the standard library, bytecode, links: none of it is carried
-over (the ``ignored`` list of the ``grade`` event names what was left behind). Then:
+run the tests in what the agent left: a fresh checkout of the task's branch, the
+grader's own, gets the agent's version of each of the project's *source* files
+(``project.json``'s ``sources``) and nothing else. Each is read from the agent's
+checkout one path part at a time, without following a link at any of them: a folder
+replaced by a link (to the mirror's clean copy, say) is not read through. Edited or
+deleted tests, a ``conftest.py`` or ``pytest.ini`` of the agent's, a module shadowing the
+standard library, bytecode, links: none of it is carried over (the ``ignored`` list of
+the ``grade`` event names what was left behind). Then:
 
-- a source file the agent deleted or replaced by a link gives 0 (the tests would import
-  another copy of the module, or the link's target);
-- a change whose added lines reach into the test runner or the process (``_pytest``,
-  ``sys.modules``, ``os._exit``, ``/proc``, ...) gives 0: the project's code runs in the
-  process that reports outcomes, and could rewrite them;
-- else FAIL_TO_PASS and PASS_TO_PASS run in the sandbox the agent's commands ran in,
-  with agl's checkout and the pipeline's folder out of sight (the tests run the agent's
-  code), through a copy of the warm pytest that imports pytest and nothing of agl's;
+- a source file the agent deleted, replaced by a link (or a folder on its way by one),
+  or linked elsewhere gives 0 (the tests would import another copy of the module);
+- a change whose added lines name the test runner or the process (``_pytest``,
+  ``sys.modules``, ``os._exit``, ``/proc``, ...) gives 0;
+- else the grader plants its own tests (``experiments.swe.canaries``: a copy of each
+  FAIL_TO_PASS test and one that must fail) and runs FAIL_TO_PASS and PASS_TO_PASS with
+  them in the coding task's jail, read-only, as a uid of its own, through a copy of the
+  warm pytest that imports pytest and nothing of agl's; outcomes that contradict the
+  planted tests were forged by the code under test: 0, and the event says so;
 - the reward is 1 when every FAIL_TO_PASS test passes and every PASS_TO_PASS test still
   does, else 0; the ``grade`` event records the breakdown and the change as a diff.
 """
@@ -26,22 +30,19 @@ import asyncio
 import difflib
 import os
 import re
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agl.grading import Grade, GradeRequest
+from agl.sandbox.uids import lease
 from experiments.swe import mirror
+from experiments.swe.canaries import plant
 from experiments.swe.harness import REPO, hidden_from_agents
 from experiments.swe.projects import Project
-from experiments.swe.sandbox import (
-    Lockdown,
-    default_hidden,
-    installed_copies,
-    prepare_workspace,
-    sandboxed,
-)
+from experiments.swe.sandbox import check_available, check_project, tool_jail
 from experiments.swe.testrun import PytestServer, verdict
 
 DIFF_CHARS = 20_000
@@ -76,18 +77,41 @@ def _files(root: Path) -> list[str]:
     return sorted(found)
 
 
-def _bytes(path: Path) -> bytes | None:
-    """A plain file's bytes (None for a link, a folder, a special or a huge file)."""
-    if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_SOURCE_BYTES:
+def read_inside(root: Path, name: str) -> bytes | None:
+    """The bytes of the plain file ``name`` under ``root``, each part of the path opened
+    without following a link; None when a part is a link (or missing), or the file is
+    not a plain file of its own (a device, a pipe, a hard link to another file) or is
+    larger than a source file may be."""
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC
+    *folders, last = Path(name).parts
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | flags)
+    except OSError:
         return None
-    return path.read_bytes()
+    try:
+        for part in folders:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | flags, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        file = os.open(last, os.O_RDONLY | os.O_NONBLOCK | flags, dir_fd=fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    info = os.fstat(file)
+    plain = stat.S_ISREG(info.st_mode) and info.st_nlink == 1
+    if not plain or info.st_size > MAX_SOURCE_BYTES:
+        os.close(file)
+        return None
+    with os.fdopen(file, "rb") as f:
+        return f.read(MAX_SOURCE_BYTES + 1)
 
 
 def carry_over(branch: Path, repo: Path, sources: list[str]) -> Change:
     """The agent's sources (from ``repo``) written over ``branch``, a fresh checkout."""
     changed, missing, diff = [], [], []
     for name in sources:
-        mine, theirs = _bytes(repo / name), (branch / name).read_bytes()
+        mine, theirs = read_inside(repo, name), (branch / name).read_bytes()
         if mine is None:
             missing.append(name)
         elif mine != theirs:
@@ -103,7 +127,7 @@ def carry_over(branch: Path, repo: Path, sources: list[str]) -> Change:
     ignored = [
         name
         for name in _files(repo)
-        if name not in kept and _bytes(repo / name) != _bytes(branch / name)
+        if name not in kept and read_inside(repo, name) != read_inside(branch, name)
     ]
     return Change(tuple(changed), tuple(missing), tuple(ignored), "".join(diff))
 
@@ -148,38 +172,31 @@ def grade_checkout(row: dict[str, Any], repo: Path, hidden: list[Path]) -> Grade
     project: Project = mirror.read_project(root, row["repo"])
     base = mirror.repo_folder(root, row["repo"]) / mirror.BASE
     f2p, p2p = list(row["FAIL_TO_PASS"]), list(row["PASS_TO_PASS"])
+    tests = (len(f2p), len(p2p))
+    check_available()
+    check_project(project.modules(base))
     with tempfile.TemporaryDirectory(prefix="agl-swe-grade-") as scratch:
         fresh = Path(scratch) / "repo"
         mirror.checkout(root, row["repo"], row["instance_id"], fresh)
         change = carry_over(fresh, repo, project.source_files(base))
         if change.missing:
-            return _zero(
-                change, f"source files missing: {', '.join(change.missing)}", (len(f2p), len(p2p))
-            )
+            return _zero(change, f"source files missing: {', '.join(change.missing)}", tests)
         if reason := reaches_into_the_runner(change.diff):
-            return _zero(
-                change, f"the change reaches into the test runner: {reason!r}", (len(f2p), len(p2p))
-            )
-        prepare_workspace(fresh)
-        server = Path(scratch) / "server"
-        server.mkdir(mode=0o755)
-        os.chmod(scratch, 0o711)  # the sandbox's user passes through to the two folders
-        lockdown = Lockdown(
-            workspace=fresh,
-            hidden=(
-                *default_hidden(),
-                *hidden,
-                *hidden_from_agents(root, repo.parent),
-                *installed_copies(project.modules(base)),
-            ),
+            return _zero(change, f"the change reaches into the test runner: {reason!r}", tests)
+        canaries = plant(fresh, f2p)
+        # The checkout is the grader's and read-only: the tests cannot change what runs.
+        jail = tool_jail(
+            fresh,
+            hidden=(*hidden, *hidden_from_agents(root, repo.parent)),
             env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
-            kept=(server,),
+            writable=False,
         )
+        arguments = project.pytest_arguments([*f2p, *p2p, *canaries.node_ids])
         timeout = float(row.get("test_timeout_s", 120))
-        with PytestServer(prefix=sandboxed([], lockdown), boot_dir=server) as tests:
-            run = tests.run(
-                fresh, project.pytest_arguments([*f2p, *p2p]), project.pythonpath, timeout
-            )
+        with lease() as uid, PytestServer(jail, uid) as server:
+            run = server.run(fresh, arguments, project.pythonpath, timeout)
+    if forged := canaries.forged(run.outcomes):
+        return _zero(change, f"the reported test outcomes were forged: {forged}", tests)
     result = verdict(run, f2p, p2p)
     f, fn = result.fail_to_pass
     p, pn = result.pass_to_pass

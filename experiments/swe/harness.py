@@ -7,8 +7,9 @@ mini-swe-agent as its ``mini`` command does: the config file
 (``experiments/swe/mini.yaml``) with the attempt's values merged over it (the proxy's
 address and key, the task, the workspace, what the sandbox hides), then its own
 ``get_model``, ``get_environment`` and ``get_agent``. The agent talks to the model
-through the attempt's proxy; each of its commands runs in the sandbox, where the mirror,
-the run's folder and this machine's package indexes are out of sight.
+through the attempt's proxy; each of its commands runs in the coding task's jail
+(``experiments.swe.sandbox``) as a uid the attempt holds, where nothing of the machine is
+in sight but the system's programs, pytest and the checkout.
 
 The input is the task's record (``instance_id``, ``repo``, ``problem_statement``, the
 test lists) with the task's options: ``mirror`` (the pipeline's mirror folder),
@@ -17,7 +18,9 @@ safeguards' control experiment (tests/test_swe_hacks.py): ``leaky`` leaves the c
 as a git repository whose history holds the unbugged code (as SWE-smith's images do),
 and ``sandbox: false`` runs the commands with mini-swe-agent's own ``LocalEnvironment``
 (the whole machine and the harness's environment in reach). The harness prints one JSON
-line: the agent's exit status and its model calls.
+line: the agent's exit status and its model calls; when a command reached one of the
+jail's limits, it says which on stderr and exits with ``LIMIT_EXIT``, so the attempt
+fails as the agent's doing.
 """
 
 from __future__ import annotations
@@ -31,12 +34,15 @@ from typing import Any
 
 from agl.agent import ENV_WORKSPACE, AgentContext
 from agl.backends.execution.local.commands import WORKSPACES
+from agl.sandbox.uids import give, lease
 from experiments.swe import mirror
-from experiments.swe.sandbox import ROOT, installed_copies, prepare_workspace
+from experiments.swe.environment import SANDBOX_LIMIT
+from experiments.swe.sandbox import ROOT, check_available, check_project
 
 CONFIG = Path(__file__).with_name("mini.yaml")
 REPO = "repo"  # the checkout's folder in the workspace
 TRAJECTORY = "trajectory.json"
+LIMIT_EXIT = 3  # the harness's exit code when a command reached one of the jail's limits
 
 # mini-swe-agent unattended and offline: no global config folder of the user's, no price
 # list download, no retry of a failed call (the gateway's answer is the answer).
@@ -48,21 +54,19 @@ MSWEA_ENV = {
 }
 
 
-def attempt_config(agent: AgentContext, row: dict[str, Any], workspace: Path) -> dict[str, Any]:
+def attempt_config(
+    agent: AgentContext, row: dict[str, Any], workspace: Path, uid: int | None
+) -> dict[str, Any]:
     """What the attempt sets over the config file (``mini -c key=value``)."""
     kwargs: dict[str, Any] = {"api_base": agent.base_url, "api_key": agent.api_key}
     for key in ("temperature", "max_tokens"):
         if key in row:
             kwargs[key] = row[key]
-    root = Path(row["mirror"])
-    project = mirror.read_project(root, row["repo"])
-    base = mirror.repo_folder(root, row["repo"]) / mirror.BASE
-    hidden = [str(p) for p in hidden_from_agents(root, workspace)]
-    hidden += [str(p) for p in installed_copies(project.modules(base))]
+    hidden = [str(p) for p in hidden_from_agents(Path(row["mirror"]), workspace)]
     agent_part: dict[str, Any] = {"output_path": str(workspace / TRAJECTORY)}
     if "step_limit" in row:
         agent_part["step_limit"] = int(row["step_limit"])
-    environment: dict[str, Any] = {"cwd": str(workspace / REPO), "hidden": hidden}
+    environment: dict[str, Any] = {"cwd": str(workspace / REPO), "hidden": hidden, "uid": uid}
     if row.get("sandbox", True) is False:
         environment = {"cwd": str(workspace / REPO), "environment_class": "local"}
     if "command_timeout_s" in row:
@@ -92,11 +96,12 @@ def leaky_checkout(root: Path, repo: str, branch: str, dest: Path) -> None:
 
 
 def hidden_from_agents(root: Path, workspace: Path) -> list[Path]:
-    """What a task's commands must not see beyond the machine's defaults: the pipeline's
-    folder (the mirror's base, the records with their patches), the run's folder (the
-    store, other workspaces: the local executor's layout is <run>/workspaces/<attempt>;
-    a Kubernetes Job's workspace is a volume of its pod's, with no run folder around it)
-    and agl's checkout (data and runs kept there)."""
+    """What a task's commands are refused (sealed where it would be, so a reach for it
+    shows in the audit; none of it is in their jail anyway): the pipeline's folder (the
+    mirror's base, the records with their patches), the run's folder (the store, other
+    workspaces: the local executor's layout is <run>/workspaces/<attempt>; a Kubernetes
+    Job's workspace is a volume of its pod's, with no run folder around it) and agl's
+    checkout (data and runs kept there)."""
     workspace = workspace.resolve()
     run = [workspace.parent.parent] if workspace.parent.name == WORKSPACES else []
     return [root.resolve().parent, *run, ROOT]
@@ -116,21 +121,33 @@ def run(agent: AgentContext, workspace: Path) -> dict[str, Any]:
 
     litellm.suppress_debug_info = True  # else a provider list is printed per unpriced call
     row = dict(agent.input)
-    if not Path(row["mirror"]).is_absolute():
+    root = Path(row["mirror"])
+    if not root.is_absolute():
         raise ValueError(f"task.options.mirror must be an absolute path, not {row['mirror']!r}")
+    sandboxed = row.get("sandbox", True) is not False
+    if sandboxed:
+        check_available()
+        base = mirror.repo_folder(root, row["repo"]) / mirror.BASE
+        check_project(mirror.read_project(root, row["repo"]).modules(base))
     checkout = workspace / REPO
     if row.get("leaky"):
-        leaky_checkout(Path(row["mirror"]), row["repo"], row["instance_id"], checkout)
+        leaky_checkout(root, row["repo"], row["instance_id"], checkout)
     else:
-        mirror.checkout(Path(row["mirror"]), row["repo"], row["instance_id"], checkout)
-    if row.get("sandbox", True) is not False:
-        prepare_workspace(checkout)  # the sandbox's user's: it may write there
-    config = recursive_merge(get_config_from_spec(CONFIG), attempt_config(agent, row, workspace))
-    model = get_model(config=config["model"])
-    environment = get_environment(config["environment"], default_type="local")
-    coder = get_agent(model, environment, config["agent"], default_type="default")
-    result = coder.run(row.get("problem_statement") or "")
-    return {"exit_status": result.get("exit_status"), "model_calls": coder.n_calls}
+        mirror.checkout(root, row["repo"], row["instance_id"], checkout)
+    with lease() as uid:
+        if sandboxed:
+            give(checkout, uid)  # the jail's user's: it may write there
+        extra = attempt_config(agent, row, workspace, uid)
+        config = recursive_merge(get_config_from_spec(CONFIG), extra)
+        model = get_model(config=config["model"])
+        environment = get_environment(config["environment"], default_type="local")
+        coder = get_agent(model, environment, config["agent"], default_type="default")
+        result = coder.run(row.get("problem_statement") or "")
+    return {
+        "exit_status": result.get("exit_status"),
+        "model_calls": coder.n_calls,
+        "reason": result.get("reason"),
+    }
 
 
 def main() -> None:
@@ -138,6 +155,9 @@ def main() -> None:
     workspace = Path(os.environ[ENV_WORKSPACE])
     outcome = run(agent, workspace)
     sys.stdout.write(json.dumps(outcome) + "\n")
+    if outcome["exit_status"] == SANDBOX_LIMIT:
+        sys.stderr.write(f"the attempt ended: {outcome['reason']}\n")
+        sys.exit(LIMIT_EXIT)
 
 
 if __name__ == "__main__":

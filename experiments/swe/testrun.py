@@ -1,21 +1,21 @@
 """Running a task's tests: a warm pytest process (``experiments.swe.pytest_server``) and
 the verdict SWE-smith's grading gives from its outcomes.
 
-``PytestServer`` starts the server (under a command prefix: the sandbox's, when the
-tests run the agent's code), sends it one run at a time and starts it again if it died
-(a test may kill its parent); ``verdict`` says whether every FAIL_TO_PASS test passed and
-every PASS_TO_PASS test still did. A test the run did not report (deleted, renamed,
-never collected) has not passed.
+``PytestServer`` starts the server (in a jail, ``agl.sandbox.jail``, when the tests run
+the agent's code), sends it one run at a time and starts it again if it died (a test may
+kill its parent); ``verdict`` says whether every FAIL_TO_PASS test passed and every
+PASS_TO_PASS test still did. A test the run did not report (deleted, renamed, never
+collected) has not passed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,11 +26,19 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from agl.sandbox.jail import SITE, Jail, interpreter
+from agl.sandbox.launch import Invocation, popen_kwargs
+from agl.sandbox.spec import Bind
+
 log = logging.getLogger(__name__)
 
 _BOOT = "from experiments.swe.pytest_server import main; main()"
-_MODULE = "agl_pytest_server.py"  # the copy's name: nothing a project would call a module
-_BOOT_COPY = "from agl_pytest_server import main; main()"
+# In a jail: the server's module alone, bound under a name no project would give a module.
+_JAILED = "/opt/agl/boot/agl_pytest_server.py"
+_BOOT_JAILED = (
+    f"import sys; sys.path[:0] = [{str(Path(_JAILED).parent)!r}, {SITE!r}]; "
+    "from agl_pytest_server import main; main()"
+)
 # Past the run's own timeout, how long the server may take to answer before it is killed.
 ANSWER_GRACE_S = 30.0
 
@@ -90,46 +98,49 @@ def verdict(run: SuiteRun, fail_to_pass: Sequence[str], pass_to_pass: Sequence[s
 class PytestServer:
     """A warm pytest process; ``run`` is one forked test run in a folder."""
 
-    def __init__(
-        self,
-        prefix: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        boot_dir: Path | None = None,
-    ) -> None:
-        """``prefix``: what the server runs under (the sandbox's command); ``boot_dir``: a
-        folder to run it from, given a copy of its module alone (the sandbox keeps that
-        folder in sight and agl's checkout out of it); None: from agl's checkout."""
-        if boot_dir is None:
+    def __init__(self, jail: Jail | None = None, uid: int | None = None) -> None:
+        """``jail``: where the server runs, as ``uid`` (the agent's code is imported in
+        it); None: here, unconfined, from agl's checkout (tests of known code only)."""
+        if jail is None:
             root = str(Path(__file__).resolve().parents[2])  # experiments' parent
             boot = f"import sys; sys.path.insert(0, {root!r}); {_BOOT}"
+            executable = sys.executable
         else:
-            shutil.copyfile(Path(__file__).with_name("pytest_server.py"), boot_dir / _MODULE)
-            os.chmod(boot_dir / _MODULE, 0o644)
-            boot = f"import sys; sys.path.insert(0, {str(boot_dir)!r}); {_BOOT_COPY}"
-        # Isolated (-I): neither the folder it starts in (the repository, in the sandbox)
-        # nor PYTHON* variables reach its sys.path, so a sitecustomize.py or a pytest.py
-        # the agent left there is never imported by the process that reports outcomes.
-        self._command = [*prefix, sys.executable, "-I", "-c", boot]
-        self._env = dict(env) if env is not None else None
+            server = Bind(str(Path(__file__).with_name("pytest_server.py")), _JAILED)
+            jail = dataclasses.replace(jail, read_only=(*jail.read_only, server))
+            boot, executable = _BOOT_JAILED, str(interpreter())
+        # Isolated (-I): neither the folder it starts in (the repository) nor PYTHON*
+        # variables reach its sys.path, so a sitecustomize.py or a pytest.py the agent
+        # left there is never imported by the process that reports outcomes.
+        self._command = [executable, "-I", "-c", boot]
+        self._jail = jail
+        self._uid = uid
         self._process: subprocess.Popen[str] | None = None
+        self._call: Invocation | None = None
         self._lock = threading.Lock()
 
     def _start(self) -> subprocess.Popen[str]:
-        env = dict(self._env if self._env is not None else {})
-        env.setdefault("PATH", "/usr/bin:/bin")
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
-        # the projects' tests need pytest alone; this machine's plugins cost 5-8x
-        env.setdefault("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
-        return subprocess.Popen(
-            self._command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-            cwd="/",
-            start_new_session=True,  # its group is killed as one
-        )
+        streams: dict[str, Any] = {
+            "stdin": subprocess.PIPE,
+            "stdout": subprocess.PIPE,
+            "stderr": subprocess.DEVNULL,
+            "text": True,
+        }
+        if self._jail is None:
+            env = {
+                "PATH": "/usr/bin:/bin",
+                "PYTHONDONTWRITEBYTECODE": "1",
+                # the projects' tests need pytest alone; this machine's plugins cost 5-8x
+                "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+            }
+            # its group is killed as one
+            return subprocess.Popen(
+                self._command, env=env, cwd="/", start_new_session=True, **streams
+            )
+        self._call = Invocation(self._jail.spec(self._command, self._uid))
+        process = subprocess.Popen(self._call.argv, **streams, **popen_kwargs(self._call))
+        self._call.started()
+        return process
 
     def run(
         self,
@@ -185,6 +196,12 @@ class PytestServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        self._forget_call()
+
+    def _forget_call(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call.close()
 
     def close(self) -> None:
         process, self._process = self._process, None
@@ -199,6 +216,7 @@ class PytestServer:
             process.wait()
         if process.stdout:
             process.stdout.close()
+        self._forget_call()
 
     def __enter__(self) -> PytestServer:
         return self

@@ -1,165 +1,172 @@
-"""Agents confined on this machine: the run's files and the other processes out of reach.
+"""Agents confined on this machine: the run's files, the trainer's code and the other
+processes out of their reach, whatever user the trainer is.
 
-A local agent runs as the trainer's OS user (root, on many research machines), and its
-model's shell tools with it: without more, a tool reads the gateway's store and admin
-token from the run folder, or another process's environment and memory, and with them
-sets any reward. ``confined(command, hidden)`` wraps an agent's command so that it runs
+A local agent's harness, and its model's shell tools with it, would otherwise run as the
+trainer's OS user (root, on many research machines): a tool could read the gateway's
+store and admin token, another process's environment and memory, or write a ``.pth``
+file into the trainer's site-packages that the next interpreter start runs with every
+privilege. ``confined(...)`` runs an agent's command in a sandbox of the machine's tree
+(:mod:`agl.sandbox`, the ``host`` view) in which
 
-- in its own **PID namespace** (``unshare --pid --mount-proc``): ``/proc`` lists only the
-  agent's own processes, so no other process's environment, memory or namespaces;
-- in its own **mount namespace**, each ``hidden`` folder (the run folder) under an empty
-  tmpfs no one may enter, except the ``kept`` folders inside it (an attempt's own
-  workspace, agl/grading/), mounted back where they were: the tmpfs and the folders
-  on the way may then be passed through but not listed;
-- with **every capability dropped** and ``no_new_privs`` (``setpriv``): even uid 0 cannot
-  unmount the tmpfs, mount anything, trace a process or regain a privilege through a
-  setuid program.
+- **every mount is read-only**: the interpreter, the venv, agl's code, ``/etc``, ``/usr``,
+  ``/proc/sys``; the command writes only its scratch folders (``/tmp``, ``/var/tmp``,
+  ``/dev/shm``: a tmpfs of its own, also its ``HOME``) and its attempt's workspace;
+- the **run folder**, the ``hide`` folders, the trainer's **home** and ``/home`` are
+  covered by a tmpfs no one may enter, but for the paths the agent's code needs (the
+  interpreter's prefixes, ``sys.path``, ``extra_pythonpath``, the working folder, agl's
+  checkout, the ``keep`` folders), bound back read-only, and its workspace, writable;
+- it runs in its own PID, IPC, UTS and mount namespaces (``/proc`` lists its own
+  processes: no other process's environment, memory or files), as a **uid of its own**
+  when the trainer is root (:mod:`agl.sandbox.uids`: it owns nothing of the trainer's),
+  else as the trainer's user in a user namespace, with **every capability dropped** and
+  no_new_privs;
+- the namespace's first process starts isolated (``python -I -S`` on
+  ``agl/sandbox/entry.py``, which imports nothing but the standard library): no
+  site-packages file runs while it holds privileges.
 
-Without root it first enters a user namespace mapped to its own user (``--user
---map-root-user``). The network is the machine's: the agent reaches the gateway on
-loopback (a NetworkPolicy is the Kubernetes executor's answer to egress). The harness
-inherits its pipes and file descriptors as before, so workers, logs and the report-key
-pipe work unchanged; process-group signals reach it from outside the namespace.
+The network is the machine's: the agent reaches the gateway on loopback (the inference
+servers answer only the gateway's key; a NetworkPolicy is the Kubernetes executor's
+answer to egress). The harness inherits its pipes and the descriptors it is given, so
+workers, logs and the report-key pipe work unchanged; process-group signals reach it.
 
-``python -m agl.backends.execution.confine --hide=DIR ... --keep=DIR ... -- COMMAND ...``
-is the namespace's first process: it mounts the tmpfs (and the kept folders), runs
-``COMMAND`` under ``setpriv`` as its child (the first process of a PID namespace ignores
-signals it does not handle, and reaps orphans), and exits with the command's status
-(128 + N for a signal N).
+Every agent's environment, confined or not, is a whitelist (``agent_env``): the launch's
+``AGL_*`` variables, what a shell and an interpreter need, and the ``pass_env`` names a
+user adds; never the trainer's keys, tokens or settings.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
-import shutil
-import signal
-import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-# An empty, tiny filesystem with mode 000: listing or entering it is refused. Over a
-# kept folder's path, 0111: passing through works, listing does not (no capabilities,
-# so not even root may read a folder without its r bit).
-_SEALED = 0o000
-_PASSAGE = 0o111
-DROP_PRIVILEGES = (
-    "--no-new-privs",
-    "--inh-caps=-all",
-    "--ambient-caps=-all",
-    "--bounding-set=-all",
+import agl
+from agl.sandbox.launch import Invocation, invocation, popen_kwargs
+from agl.sandbox.spec import Spec
+from agl.sandbox.uids import give, lease
+
+# What a shell and an interpreter need from the trainer's environment, and nothing that
+# names a key, a token, a cloud account or a tracker.
+PASSED_ENV = frozenset(
+    {
+        "PATH",
+        "LANG",
+        "LANGUAGE",
+        "TERM",
+        "TZ",
+        "PYTHONPATH",
+        "PYTHONUNBUFFERED",
+        "PYTHONIOENCODING",
+        "PYTHONDONTWRITEBYTECODE",
+        "VIRTUAL_ENV",
+        "SSL_CERT_FILE",
+        "SSL_CERT_DIR",
+        "REQUESTS_CA_BUNDLE",
+        "NO_PROXY",
+        "no_proxy",
+    }
 )
+PASSED_PREFIXES = ("LC_",)
+SCRATCH_HOME = "/tmp"  # a confined agent's HOME: its own scratch tmpfs
 
 
-def _unshare() -> list[str]:
-    prefix = ["unshare"]
-    if os.geteuid() != 0:
-        prefix += ["--user", "--map-root-user"]
-    return [
-        *prefix,
-        "--mount",
-        "--pid",
-        "--fork",
-        "--kill-child",
-        "--mount-proc",
-        "--propagation",
-        "private",
-    ]
+def agent_env(
+    launch_env: Mapping[str, str],
+    extra_pythonpath: Sequence[str] = (),
+    pass_env: Iterable[str] = (),
+    source: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """An agent's environment: the whitelisted part of ``source`` (the trainer's, by
+    default), ``extra_pythonpath`` before its ``PYTHONPATH``, then ``launch_env``."""
+    source = os.environ if source is None else source
+    passed = PASSED_ENV | set(pass_env)
+    env = {k: v for k, v in source.items() if k in passed or k.startswith(PASSED_PREFIXES)}
+    paths = [*extra_pythonpath, *filter(None, [env.get("PYTHONPATH")])]
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    return {**env, **launch_env}
 
 
-def confined(
-    command: Sequence[str], hidden: Sequence[Path], kept: Sequence[Path] = ()
-) -> list[str]:
-    """``command`` (an argv) run confined, with ``hidden`` folders out of its sight but for
-    the ``kept`` folders inside them."""
-    options = [f"--hide={Path(d).resolve()}" for d in hidden]
-    options += [f"--keep={Path(d).resolve()}" for d in kept]
-    return [*_unshare(), sys.executable, "-m", __name__, *options, "--", *command]
+def homes() -> list[Path]:
+    """The users' home folders on this machine: the trainer's, root's, ``/home``."""
+    found = {Path.home(), Path("/root"), Path("/home")}
+    return sorted(p.resolve() for p in found if p.is_dir())
 
 
-@functools.cache
-def unavailable() -> str | None:
-    """Why agents cannot be confined here (a missing tool, namespaces refused), or None.
-    Tried once per process, with a real confined ``true``."""
-    for tool in ("unshare", "setpriv"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed (util-linux)"
-    probe = subprocess.run(
-        confined(["true"], []), capture_output=True, text=True, timeout=60, check=False
-    )
-    if probe.returncode != 0:
-        reason = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
-        return f"namespaces are not available: {reason}"
-    return None
+def code_paths(extra_pythonpath: Sequence[str]) -> list[Path]:
+    """What an agent's harness may need to read: the interpreter's prefixes, the module
+    search path, agl's own checkout or install, and the working folder."""
+    found = [Path(sys.prefix), Path(sys.base_prefix), Path(agl.__file__).parents[1]]
+    found += [Path(p) for p in (*sys.path, *extra_pythonpath) if p and os.path.isabs(p)]
+    found.append(Path.cwd())
+    return sorted({p.resolve() for p in found if p.exists()})
 
 
-def hide(folder: str, kept: Sequence[str]) -> None:
-    """A tmpfs over ``folder``; each of ``kept`` (folders inside it) bound back in place."""
-    if not os.path.isdir(folder):
-        return  # nothing there to hide yet; nothing made later is visible either way
-    inside = [k for k in kept if os.path.commonpath([folder, k]) == folder and k != folder]
-    cover(folder, inside, _PASSAGE if inside else _SEALED, size="4k")
+@dataclass(frozen=True)
+class Confinement:
+    """What a confined agent does not see: ``hidden`` besides the homes, ``kept`` in
+    sight within them (read-only)."""
 
+    hidden: tuple[Path, ...]
+    kept: tuple[Path, ...] = ()
+    homes: tuple[Path, ...] = field(default_factory=lambda: tuple(homes()))
 
-def cover(folder: str, kept: Sequence[str], mode: int, size: str | None = None) -> None:
-    """A fresh tmpfs of ``mode`` over ``folder``, with ``kept`` (folders inside it) bound
-    back in place and the folders on their way made passages (entered, not listed)."""
-    # Opened before the tmpfs covers them; a mount from the descriptor finds them after.
-    handles = {k: os.open(k, os.O_PATH | os.O_DIRECTORY) for k in kept}
-    options = f"mode={mode:o}" + (f",size={size}" if size else "")
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "agl-hidden", folder],
-            check=True,
-            stdin=subprocess.DEVNULL,
+    def spec(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: Path,
+        writable: Sequence[Path],
+        pass_fds: Sequence[int],
+        uid: int | None,
+    ) -> Spec:
+        return Spec(
+            view="host",
+            argv=tuple(argv),
+            cwd=str(cwd),
+            env={**env, "HOME": SCRATCH_HOME},
+            hidden=tuple(str(p.resolve()) for p in (*self.homes, *self.hidden)),
+            kept=tuple(str(p.resolve()) for p in self.kept),
+            writable=tuple(str(p.resolve()) for p in writable),
+            uid=uid,
+            gid=uid,
+            pass_fds=tuple(pass_fds),
+            network=True,  # the gateway, on loopback
         )
-        for path, fd in handles.items():
-            os.makedirs(path, exist_ok=True)
-            relative = Path(os.path.relpath(path, folder))
-            for parent in relative.parents[:-1]:  # the folders on the way, not the tmpfs
-                os.chmod(Path(folder) / parent, _PASSAGE)
-            # --no-canonicalize: resolved, /proc/self/fd/N would name the covered path.
-            subprocess.run(
-                ["mount", "--no-canonicalize", "--bind", f"/proc/self/fd/{fd}", path],
-                check=True,
-                stdin=subprocess.DEVNULL,
-                pass_fds=(fd,),
-            )
-    finally:
-        for fd in handles.values():
-            os.close(fd)
 
 
-_USAGE = (
-    "usage: python -m agl.backends.execution.confine [--hide=DIR ...] [--keep=DIR ...] -- COMMAND"
-)
+@dataclass
+class Start:
+    """What to start an agent's process with: its argv and the keyword arguments of
+    ``asyncio.create_subprocess_exec`` besides its streams. ``started()`` once it runs."""
+
+    argv: list[str]
+    kwargs: dict[str, Any]
+    call: Invocation | None = None
+
+    def started(self) -> None:
+        if self.call is not None:
+            self.call.started()
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in args:
-        sys.exit(_USAGE)
-    split = args.index("--")
-    options, command = args[:split], args[split + 1 :]
-    if not command or any(not o.startswith(("--hide=", "--keep=")) for o in options):
-        sys.exit(_USAGE)
-    hidden = [o.removeprefix("--hide=") for o in options if o.startswith("--hide=")]
-    kept = [o.removeprefix("--keep=") for o in options if o.startswith("--keep=")]
-    try:
-        for folder in hidden:
-            hide(folder, kept)
-    except (OSError, subprocess.CalledProcessError) as error:
-        sys.exit(f"agl confine: cannot hide the run's folders: {error}")
-    # Signals sent to the group reach the command itself; this first process only waits
-    # (a handler, not SIG_IGN: an ignored signal would stay ignored in the command).
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: None)
-    # close_fds=False: the command keeps what it was given (its pipes, the report key's).
-    child = subprocess.Popen(["setpriv", *DROP_PRIVILEGES, "--", *command], close_fds=False)
-    code = child.wait()
-    sys.exit(128 - code if code < 0 else code)
-
-
-if __name__ == "__main__":
-    main()
+@contextlib.contextmanager
+def confined(
+    argv: Sequence[str],
+    confinement: Confinement,
+    env: Mapping[str, str],
+    cwd: Path,
+    writable: Sequence[Path] = (),
+    pass_fds: Sequence[int] = (),
+) -> Iterator[Start]:
+    """``argv`` started confined: a uid of its own held (and ``writable`` made its) for
+    as long as the block runs, which must outlive the process."""
+    with lease() as uid:
+        for folder in writable:
+            give(folder, uid)
+        spec = confinement.spec(argv, env, cwd, writable, pass_fds, uid)
+        with invocation(spec) as call:
+            yield Start(call.argv, popen_kwargs(call), call)

@@ -2,7 +2,9 @@
 OpenAI-compatible app (``server/``) on a uvicorn thread, sharing the trainer's model.
 
 Sharing the module (not a copy) is what makes a weight update free: the trainer changes
-the parameters in place while the engine is paused, then bumps ``policy_version``.
+the parameters in place while the engine is paused, then bumps ``policy_version``. For
+the same reason the trainer never calls the server over HTTP: only the gateway does,
+with the run's inference key (``api_key``), which every route but ``/health`` requires.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ log = logging.getLogger(__name__)
 
 
 class EmbeddedServer:
+    """``model`` served as ``name`` on ``host:port`` (0: a free port) until ``close``.
+
+    ``api_key`` is required on every route but ``/health`` (``Authorization: Bearer``);
+    None serves anyone who can connect, so it has no default: the trainer passes its
+    run's key (``agl.core.run.build.inference_key``)."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -37,6 +45,7 @@ class EmbeddedServer:
         seed: int = 0,
         num_threads: int | None = None,
         tool_parser: str | None = "hermes",
+        api_key: str | None,
     ) -> None:
         self.engine = Engine(
             model,
@@ -47,6 +56,7 @@ class EmbeddedServer:
             num_threads=num_threads,
         )
         self.name = name
+        self.api_key = api_key
         # Bind here, so "port in use" fails at once and port=0 gets a free port.
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -57,7 +67,7 @@ class EmbeddedServer:
             raise OSError(f"cannot serve the model on {host}:{port}: {error.strerror}") from None
         self.host, self.port = self._socket.getsockname()[:2]
         config = uvicorn.Config(
-            create_app(self.engine, tokenizer, name, tool_parser),
+            create_app(self.engine, tokenizer, name, tool_parser, api_key=api_key),
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=2,

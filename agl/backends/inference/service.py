@@ -15,9 +15,11 @@ class ServingStats(Protocol):
 class InferenceService(Protocol):
     """Serves the trainer's policy over OpenAI-compatible HTTP.
 
-    Invariant: after ``publish(v)`` returns, every endpoint answers with the weights the
+    Invariants: after ``publish(v)`` returns, every endpoint answers with the weights the
     trainer's module held when ``publish`` was called, and the trainer registers each
-    endpoint at the gateway as ``policy_version=v``.
+    endpoint at the gateway as ``policy_version=v``. Every endpoint refuses (401) a
+    request without the run's inference key, its health check excepted: only the gateway
+    and the trainer hold the key, so every sample an agent gets went through the proxy.
     """
 
     @property

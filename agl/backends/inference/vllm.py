@@ -29,9 +29,19 @@ from a file works on every device and costs one write plus one read of the weigh
 SmolLM2-135M in float32, about 2 s on a 2-core machine). On GPUs at scale verl's own
 rollout servers take over (``backend=verl``).
 
+Only the key's holders reach a replica (``api_key``: the run's inference key, held by the
+trainer and the gateway): a replica started here gets the key as ``VLLM_API_KEY`` (in its
+environment: a command line is readable by every user of the machine) and agl's guard
+(``guard.RequireVllmKey``, by ``--middleware``) in front of every route but ``/health``.
+vLLM's own check of that variable guards only ``/v1`` and a few other prefixes, leaving
+``/tokenize``, ``/invocations`` (a generation) and the dev-mode routes that ``publish``
+uses (``/collective_rpc`` loads weights from any path) open to anyone on the machine.
+The trainer's own calls (the routes above, ``/metrics``, ``/v1/models``) send the key.
+
 Invariants: ``publish`` returns only once every replica serves the new weights, with its
 prefix cache emptied; ``close`` leaves no process behind that ``start`` spawned (each
-replica runs in its own process group, which is terminated, then killed).
+replica runs in its own process group, which is terminated, then killed); with a key,
+every route of a replica started here but ``/health`` answers 401 without it.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import inspect
 import logging
 import os
 import shutil
@@ -57,6 +68,7 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from agl.backends.inference import guard
 from agl.core.contracts.records import ModelEndpoint
 from agl.core.run.services import free_port
 
@@ -74,6 +86,8 @@ INSTALL_HINT = (
 # Variables of the trainer's environment that would make vLLM's interpreter import the
 # trainer's packages (another torch) instead of its own.
 _ENV_DROP = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+# The name vLLM's interpreter imports agl's guard under, from a folder of its own.
+GUARD_MODULE = "agl_inference_guard"
 
 
 class VllmUnavailable(RuntimeError):
@@ -181,6 +195,19 @@ def write_model_folder(model: torch.nn.Module, tokenizer: Any, folder: Path) -> 
     write_weights(model, folder)
 
 
+def install_guard(folder: Path) -> str:
+    """Copy ``guard.py`` into ``folder`` as ``GUARD_MODULE`` (vLLM's interpreter has no
+    agl; the module needs none) and answer what ``--middleware`` names: the middleware
+    that reads its key from ``VLLM_API_KEY``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(inspect.getfile(guard), folder / f"{GUARD_MODULE}.py")
+    return f"{GUARD_MODULE}.{guard.RequireVllmKey.__name__}"
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+
+
 def prometheus_sum(text: str, name: str) -> float:
     """The sum of a Prometheus metric's samples over all label sets."""
     total = 0.0
@@ -224,6 +251,12 @@ class VllmServers:
     replica. ``model`` may be ``None`` for serving only (``publish`` then refuses).
     Attached servers must run with ``VLLM_SERVER_DEV_MODE=1`` and read the weights
     folder (``options.weights_dir``) for ``publish`` to reach them.
+
+    ``api_key``: what every replica requires and every call of this object sends (see
+    the module's docstring); None starts replicas anyone who can connect may use, so it
+    has no default. Attached servers are guarded only if started so: with
+    ``VLLM_API_KEY=<key>``, ``PYTHONPATH`` holding a copy of ``guard.py`` named
+    ``agl_inference_guard.py``, and ``--middleware agl_inference_guard.RequireVllmKey``.
     """
 
     def __init__(
@@ -233,6 +266,8 @@ class VllmServers:
         name: str,
         run_dir: Path,
         options: VllmOptions | None = None,
+        *,
+        api_key: str | None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -245,7 +280,10 @@ class VllmServers:
         self._pause_depth = 0
         self._pause_lock = threading.Lock()
         self._stats: dict[str, VllmStats] = {}
-        self._http = httpx.Client(timeout=self.options.request_timeout_s)
+        self.api_key = api_key
+        self._http = httpx.Client(
+            timeout=self.options.request_timeout_s, headers=auth_headers(api_key)
+        )
         self._closed = False
         if self.options.replicas < 1 and not self.options.urls:
             raise ValueError("inference.replicas must be at least 1")
@@ -293,8 +331,18 @@ class VllmServers:
         self._replicas = [_Replica(u.rstrip("/").removesuffix("/v1")) for u in self.options.urls]
         self._wait_healthy(time.monotonic() + self.options.startup_timeout_s)
         for replica in self._replicas:
-            served = self._http.get(f"{replica.base_url}/models").json()
-            names = [m.get("id") for m in served.get("data", [])]
+            answer = self._http.get(f"{replica.base_url}/models")
+            if answer.status_code == 401:
+                raise RuntimeError(
+                    f"{replica.describe()} refused the inference key: give it the key it "
+                    "was started with (its VLLM_API_KEY)"
+                )
+            if answer.status_code != 200:
+                raise RuntimeError(
+                    f"{replica.describe()}: GET /v1/models answered {answer.status_code}: "
+                    f"{answer.text[:500]}"
+                )
+            names = [m.get("id") for m in answer.json().get("data", [])]
             if self.name not in names:
                 raise RuntimeError(
                     f"{replica.describe()} serves {names}, not {self.name!r}: "
@@ -311,12 +359,18 @@ class VllmServers:
         write_model_folder(self.model, self.tokenizer, self.weights_dir)
         logs = self.run_dir / "vllm"
         logs.mkdir(parents=True, exist_ok=True)
+        middleware = None if self.api_key is None else install_guard(self._guard_dir)
         for index in range(self.options.replicas):
             port = self.options.port + index if self.options.port else free_port(self.options.host)
             log_path = logs / f"replica-{index}.log"
             with log_path.open("ab") as out:
                 process = subprocess.Popen(
-                    [python, "-m", "vllm.entrypoints.openai.api_server", *self._args(port)],
+                    [
+                        python,
+                        "-m",
+                        "vllm.entrypoints.openai.api_server",
+                        *self._args(port, middleware),
+                    ],
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -332,7 +386,11 @@ class VllmServers:
             "vLLM: %d replica(s) up in %.1f s", len(self._replicas), time.monotonic() - started
         )
 
-    def _args(self, port: int) -> list[str]:
+    @property
+    def _guard_dir(self) -> Path:
+        return self.run_dir / "vllm" / "guard"
+
+    def _args(self, port: int, middleware: str | None) -> list[str]:
         o = self.options
         args = [
             "--model", str(self.weights_dir),
@@ -356,6 +414,8 @@ class VllmServers:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", o.tool_parser]
         if o.trust_remote_code:
             args.append("--trust-remote-code")
+        if middleware is not None:
+            args += ["--middleware", middleware]
         return [*args, *map(str, o.extra_args)]
 
     def _env(self, index: int) -> dict[str, str]:
@@ -370,6 +430,10 @@ class VllmServers:
         if index < len(self.options.cpu_bind):
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.options.cpu_bind[index]
         env.update({k: str(v) for k, v in self.options.env.items()})
+        if self.api_key is not None:  # after options.env: the run's key is the one served
+            env[guard.VLLM_KEY_VAR] = self.api_key
+            paths = [str(self._guard_dir), env.get("PYTHONPATH", "")]
+            env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         return env
 
     def _wait_healthy(self, deadline: float) -> None:

@@ -54,6 +54,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         upstream = Upstream(
             RetryPolicy(config.upstream_retries, config.upstream_backoff_s),
             config.upstream_timeout_s,
+            config.inference_key,
         )
         await upstream.start()
         seeds = RequestSeeds(config.sampling_seed) if config.sampling_seed >= 0 else None

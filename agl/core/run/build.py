@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import secrets
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -88,11 +89,29 @@ def policy_for(config: Any, loaded: LoadedModel, server: InferenceService, run_d
     )
 
 
+def inference_key(options: dict[str, Any]) -> str:
+    """The key this run's inference requires on every call, which only the trainer and its
+    gateway hold (never an agent): the one in the file ``inference.key_file`` names (the
+    key attached vLLM replicas were started with), else a new random one per run."""
+    key_file = options.get("key_file")
+    if not key_file:
+        return secrets.token_urlsafe(32)
+    from agl.core.gateway.upstream import read_key_file
+
+    try:
+        return read_key_file(key_file)
+    except OSError as error:
+        raise UserError(f"inference.key_file={key_file}: {error.strerror}") from None
+    except ValueError as error:  # it names the file
+        raise UserError(f"inference.key_file: {error}") from None
+
+
 def inference_service(
-    options: dict[str, Any], loaded: LoadedModel, cfg: Any, run_dir: Path
+    options: dict[str, Any], loaded: LoadedModel, cfg: Any, run_dir: Path, api_key: str
 ) -> InferenceService:
-    """The inference engine ``inference=...`` names, serving ``loaded`` (not yet started)."""
-    settings = _options(options)
+    """The inference engine ``inference=...`` names, serving ``loaded`` (not yet started)
+    to the holders of ``api_key`` only (``inference_key``)."""
+    settings = {k: v for k, v in _options(options).items() if k != "key_file"}
     max_context = cfg.model.get("max_context") or loaded.max_context
     try:
         if options["name"] == "embedded":
@@ -109,6 +128,7 @@ def inference_service(
                 seed=cfg.seed,
                 num_threads=settings["torch_threads"],
                 tool_parser=loaded.tool_parser,
+                api_key=api_key,
             )
         if options["name"] == "vllm":
             from agl.backends.inference.vllm import VllmOptions, VllmServers
@@ -117,7 +137,12 @@ def inference_service(
             settings["tool_parser"] = loaded.tool_parser  # the model's format, as embedded
             settings["trust_remote_code"] = loaded.trust_remote_code
             return VllmServers(
-                loaded.model, loaded.tokenizer, loaded.name, run_dir, VllmOptions(**settings)
+                loaded.model,
+                loaded.tokenizer,
+                loaded.name,
+                run_dir,
+                VllmOptions(**settings),
+                api_key=api_key,
             )
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise UserError(f"inference={options['name']}: {error}") from None

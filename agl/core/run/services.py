@@ -6,56 +6,23 @@ set by :func:`die_with_parent`, which the agent workers use too).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
 from agl.core.gateway.private_files import private_dir
+from agl.core.gateway.upstream import KEY_ENV_VAR
+from agl.core.processes import die_with_parent
 
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
-
-_PREEXEC: dict[int, Callable[[], None] | None] = {}
-
-
-def die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that asks Linux to SIGKILL the child when its parent dies, also by
-    ``kill -9`` (``PR_SET_PDEATHSIG``); None elsewhere. libc is loaded here, once per
-    process, so the forked child only makes two system calls (no dlopen after fork, which
-    is what makes a ``preexec_fn`` unsafe in a parent running threads)."""
-    if os.getpid() not in _PREEXEC:
-        _PREEXEC[os.getpid()] = _make_preexec()
-    return _PREEXEC[os.getpid()]
-
-
-def _make_preexec() -> Callable[[], None] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
 
 
 def _family(host: str) -> socket.AddressFamily:
@@ -107,13 +74,20 @@ class ChildGateway:
 
     The token (32 random bytes) goes to the child as ``AGL_ADMIN_TOKEN``, which counts as
     a secret configured, so ``gateway.host=0.0.0.0`` (say, for agents on other machines)
-    starts as well as the loopback default does."""
+    starts as well as the loopback default does. ``inference_key``, the key the run's
+    inference servers require, goes to it as ``AGL_INFERENCE_KEY`` (its upstream calls
+    send it): in the child's environment only, never on its command line or in a file."""
 
     # Seconds between tries to bring a dead gateway back, then give up (the run fails).
     RESTART_WAITS = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
 
     def __init__(
-        self, run_dir: Path, host: str = "127.0.0.1", port: int = 0, sampling_seed: int = -1
+        self,
+        run_dir: Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        sampling_seed: int = -1,
+        inference_key: str | None = None,
     ) -> None:
         if port and not port_free(host, port):
             raise OSError(f"gateway port {port} on {host} is in use")
@@ -122,6 +96,7 @@ class ChildGateway:
         self.port = port or free_port(host)
         self.sampling_seed = sampling_seed
         self.token = secrets.token_urlsafe(32)
+        self._inference_key = inference_key
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self._lock = threading.Lock()
@@ -166,7 +141,7 @@ class ChildGateway:
             with (self.run_dir / "gateway.log").open("ab") as log_file:
                 process = self.process = subprocess.Popen(
                     [sys.executable, "-m", "agl.gateway", *args, "log_level=warning"],
-                    env={**os.environ, "AGL_ADMIN_TOKEN": self.token},
+                    env=self._child_env(),
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
                     # Its own process group: Ctrl-C reaches only the trainer, which stops
@@ -191,6 +166,12 @@ class ChildGateway:
                 process.wait(timeout=10)
                 raise TimeoutError(f"the gateway was not up after {timeout_s} s")
             time.sleep(0.05)
+
+    def _child_env(self) -> dict[str, str]:
+        env = {**os.environ, "AGL_ADMIN_TOKEN": self.token}
+        if self._inference_key is not None:
+            env[KEY_ENV_VAR] = self._inference_key
+        return env
 
     def _supervise(self) -> None:
         while True:

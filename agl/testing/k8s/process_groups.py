@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from agl.core.run.services import die_with_parent
+from agl.core.processes import die_with_parent
 
 # Named for the package: the name log lines and tests' log captures know it by.
 log = logging.getLogger("agl.testing.k8s")

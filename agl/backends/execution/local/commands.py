@@ -12,10 +12,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from agl.agent import ENV_GRADED, ENV_REPORT_FD, ENV_WORKSPACE, AgentContext, report_pipe
+from agl.backends.execution.confine import Start, agent_env
 from agl.backends.execution.local.config import LocalExecutorConfig
-from agl.backends.execution.local.processes import base_env, exit_reason, signal_group, terminate
+from agl.backends.execution.local.processes import exit_reason, signal_group, terminate
 from agl.core.contracts.execution import ORPHANED, Exit, Key, Launch
-from agl.core.run.services import die_with_parent
+from agl.core.processes import die_with_parent
 from agl.grading import GradeNotPosted, Grader, grade_attempt, load_grader
 
 # Where each graded attempt works: run_dir/WORKSPACES/<rollout>.<attempt>.
@@ -36,7 +37,7 @@ class CommandRunner:
         self.attempt_dir = Path(config.run_dir) / "attempts"
         self.attempt_dir.mkdir(parents=True, exist_ok=True)
         self.workspace_dir = Path(config.run_dir) / WORKSPACES
-        self.env = base_env(config.extra_pythonpath)
+        self._argv = ["/bin/sh", "-c", command]
         self.exits: list[Exit] = []
         self.running: dict[tuple[str, int], asyncio.Task[None]] = {}
         self.processes: dict[tuple[str, int], asyncio.subprocess.Process] = {}
@@ -73,38 +74,33 @@ class CommandRunner:
         if self.grader is None:
             with report_pipe(launch.report_key) as report_fd:
                 env = {**launch.env, ENV_REPORT_FD: str(report_fd)}
-                process = await self._spawn(launch, stem, env, pass_fds=(report_fd,))
-            return await self._wait(launch, process)
+                with self.config.start(self._argv, self._env(env), pass_fds=(report_fd,)) as start:
+                    process = await self._spawn(launch, stem, start)
+                    return await self._wait(launch, process)
         workspace = self.workspace_dir / stem.name
         workspace.mkdir(parents=True, exist_ok=True)
         try:
-            env = {**launch.env, ENV_WORKSPACE: str(workspace), ENV_GRADED: "1"}
-            process = await self._spawn(launch, stem, env, cwd=workspace)
-            error = await self._wait(launch, process)
+            env = self._env({**launch.env, ENV_WORKSPACE: str(workspace), ENV_GRADED: "1"})
+            with self.config.start(self._argv, env, workspace, writable=[workspace]) as start:
+                process = await self._spawn(launch, stem, start)
+                error = await self._wait(launch, process)
             return error if error is not None else await self._grade(launch, workspace)
         finally:
             await asyncio.to_thread(shutil.rmtree, workspace, True)
 
-    async def _spawn(
-        self,
-        launch: Launch,
-        stem: Path,
-        env: dict[str, str],
-        pass_fds: tuple[int, ...] = (),
-        cwd: Path | None = None,
-    ) -> asyncio.subprocess.Process:
+    def _env(self, env: dict[str, str]) -> dict[str, str]:
+        return agent_env(env, self.config.extra_pythonpath, self.config.pass_env)
+
+    async def _spawn(self, launch: Launch, stem: Path, start: Start) -> asyncio.subprocess.Process:
         with open(f"{stem}.out", "wb") as out, open(f"{stem}.err", "wb") as err:
             process = await asyncio.create_subprocess_exec(
-                *self.config.wrap(["/bin/sh", "-c", self.command], [cwd] if cwd else None),
+                *start.argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
-                env={**self.env, **env},
-                cwd=cwd,
-                pass_fds=pass_fds,
-                start_new_session=True,
-                preexec_fn=die_with_parent(),
+                **{"start_new_session": True, "preexec_fn": die_with_parent(), **start.kwargs},
             )
+        start.started()
         self.processes[(launch.rollout_id, launch.attempt)] = process
         return process
 

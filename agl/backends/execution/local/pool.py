@@ -14,15 +14,16 @@ from typing import Any
 
 import orjson
 
+from agl.backends.execution.confine import agent_env
 from agl.backends.execution.local.config import (
     READY_TIMEOUT_S,
     RESTART_BACKOFF_S,
     LocalExecutorConfig,
 )
-from agl.backends.execution.local.processes import base_env, signal_name, terminate
+from agl.backends.execution.local.processes import signal_name, terminate
 from agl.backends.execution.worker import READ_LIMIT
 from agl.core.contracts.execution import Exit, Key, Launch
-from agl.core.run.services import die_with_parent
+from agl.core.processes import die_with_parent
 
 # The package's name, not this module's: the name its log lines carried before the split.
 log = logging.getLogger("agl.backends.execution.local")
@@ -35,6 +36,8 @@ class _Worker:
     process: asyncio.subprocess.Process | None = None
     ready: bool = False
     running: set[tuple[str, int]] = field(default_factory=set)
+    # What its process was started with (its confinement's uid): held while it runs.
+    held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
 
 class WorkerPool:
@@ -47,7 +50,7 @@ class WorkerPool:
         self.workers = [
             _Worker(i, log_dir / f"worker-{i}.log") for i in range(max(1, config.workers))
         ]
-        self.env = base_env(config.extra_pythonpath)
+        self.env = agent_env({}, config.extra_pythonpath, config.pass_env)
         self.exits: list[Exit] = []
         self.supervisors: list[asyncio.Task[None]] = []
         self.closing = False
@@ -74,25 +77,20 @@ class WorkerPool:
 
     async def _spawn(self, worker: _Worker) -> None:
         """Start ``worker`` and wait for its handshake; ValueError saying why it failed."""
+        argv = [sys.executable, "-m", "agl.backends.execution.worker", self.config.harness]
+        argv.append(str(self.config.concurrency))
+        worker.held.close()  # the last process's
+        start = worker.held.enter_context(self.config.start(argv, self.env))
         with open(worker.log_path, "ab") as log_file:  # the child keeps its own copy
             process = await asyncio.create_subprocess_exec(
-                *self.config.wrap(
-                    [
-                        sys.executable,
-                        "-m",
-                        "agl.backends.execution.worker",
-                        self.config.harness,
-                        str(self.config.concurrency),
-                    ]
-                ),
+                *start.argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log_file,
-                env=self.env,
-                start_new_session=True,
-                preexec_fn=die_with_parent(),
                 limit=READ_LIMIT,
+                **{"start_new_session": True, "preexec_fn": die_with_parent(), **start.kwargs},
             )
+        start.started()
         worker.process = process
         assert process.stdout is not None
         try:
@@ -229,6 +227,8 @@ class WorkerPool:
             if process.stdin is not None:
                 process.stdin.close()
         await asyncio.gather(*(terminate(p) for p in processes))
+        for worker in self.workers:
+            worker.held.close()
 
     def pids(self) -> list[int]:
         return [

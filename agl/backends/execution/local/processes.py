@@ -1,5 +1,5 @@
 """What both kinds of harness do with their child processes: signal and kill a process
-group, say why a process ended, and build the environment a child starts from."""
+group, and say why a process ended."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import contextlib
 import os
 import signal
 
-from agl.backends.execution.local.config import HIDDEN_FROM_AGENTS, KILL_GRACE_S
+from agl.backends.execution.local.config import KILL_GRACE_S
 
 
 def signal_group(pid: int, sig: signal.Signals) -> None:
@@ -44,13 +44,3 @@ def signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return str(number)
-
-
-def base_env(extra_pythonpath: list[str]) -> dict[str, str]:
-    """This process's environment for a child, less the admin token: an agent gets only
-    its attempt's key (docs/design.md, "Auth")."""
-    env = {k: v for k, v in os.environ.items() if k not in HIDDEN_FROM_AGENTS}
-    paths = [*extra_pythonpath, *filter(None, [env.get("PYTHONPATH")])]
-    if paths:
-        env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env

@@ -25,9 +25,12 @@ Text and tokens follow vLLM's conventions:
   ``tool_choice`` ``required`` or a named function is accepted but not enforced (no
   guided decoding): the model is free to answer in text.
 
+Every route but ``GET /health`` needs the inference key, ``Authorization: Bearer <key>``,
+when the app is given one (``agl.backends.inference.guard``): the trainer's server always is.
+
 The modules, from the wire inwards (each imports only those below it):
 
-- ``app``: ``create_app``, the routes and the error handlers;
+- ``app``: ``create_app``, the routes, the error handlers and the key's guard;
 - ``chat``, ``completions``, ``model_info``: the endpoints;
 - ``streaming``: a generation as a server-sent event stream;
 - ``responses``: JSON answers, the policy-version header, token usage;
