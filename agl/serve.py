@@ -100,12 +100,6 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if config.key is None:
-        log.warning(
-            "no key: any process that can connect may use the model; set %s or key_file=PATH "
-            "to require 'Authorization: Bearer <key>'",
-            KEY_ENV_VAR,
-        )
     # Heavy imports after the command line is checked: a typo answers at once.
     import torch
 
@@ -152,6 +146,12 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         sys.stderr.write(f"agl.serve: {error}\n")
         raise SystemExit(2) from None
+    if config.key is None:
+        log.warning(
+            "no key: any process that can connect may use the model; set %s or key_file=PATH "
+            "to require 'Authorization: Bearer <key>'",
+            KEY_ENV_VAR,
+        )
     name = config.served_name or loaded.name
     log.info(
         "serving %s as %r on http://%s:%d/v1 (%s, batch %d, context %d)",

@@ -304,9 +304,10 @@ def test_rows_that_are_fine_read_as_they_were_written(tmp_path: Path, rows: list
 
 def refusal_and_peak(path: Path) -> tuple[str | None, int]:
     """What loading ``path`` raised (None: nothing), and the peak memory of the process
-    that loaded it, a fresh one: only this load counts."""
+    that loaded it, a fresh one: only this load counts. The high-water mark of its own
+    memory (``VmHWM``): ``ru_maxrss`` carries over the forking parent's across exec."""
     script = (
-        "import json, resource, sys\n"
+        "import json, re, sys\n"
         "from pathlib import Path\n"
         "from agl.core.run.datasets import DatasetError\n"
         "from agl.core.run.tasks import Task, TaskConfig\n"
@@ -316,7 +317,9 @@ def refusal_and_peak(path: Path) -> tuple[str | None, int]:
         "    message = None\n"
         "except DatasetError as error:\n"
         "    message = str(error)\n"
-        "print(json.dumps([message, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))\n"
+        "status = open('/proc/self/status').read()\n"
+        "peak = int(re.search(r'VmHWM:\\s+(\\d+) kB', status).group(1))\n"
+        "print(json.dumps([message, peak]))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script, str(path)], capture_output=True, text=True, cwd=ROOT

@@ -43,7 +43,7 @@ from experiments.search.harness import Question
 ROOT = Path(__file__).resolve().parent.parent
 needs_root = pytest.mark.skipif(
     not sys.platform.startswith("linux") or os.geteuid() != 0,
-    reason="the sandbox needs root (it runs each attempt's commands as nobody)",
+    reason="the sandbox needs root (it runs each attempt's commands as a uid of its own)",
 )
 QUESTION = Question("In which country is the city of Dalfsen?", ("The Netherlands",))
 

@@ -42,7 +42,7 @@ def read_corpus(path: str | Path) -> list[dict[str, str]]:
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as error:
+            except (json.JSONDecodeError, RecursionError) as error:
                 raise ValueError(f"{path}:{number}: not JSON: {error}") from None
             if not isinstance(row, dict) or not isinstance(row.get("contents"), str):
                 raise ValueError(f'{path}:{number}: a passage needs a string "contents"')

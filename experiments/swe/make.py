@@ -2,9 +2,15 @@
 project's own tests catch them.
 
 For each project (``conf/swe/projects.yaml``): its release is unpacked as the mirror's
-base; its whole suite runs once there (a test that fails without any bug is never a
-task's test); a seeded sample of candidate bugs (``experiments.swe.mutations``) is each
-written into a scratch copy and the suite run again with a timeout (some bugs loop):
+base; its whole suite runs there in ``REFERENCE_RUNS`` interpreters started apart (a
+test that fails without any bug is never a task's test, nor any test of a function
+whose tests are not named alike in each: a function parametrized over a set of objects
+hashed by address, as isodate's are, names its tests after their places in the set,
+which move from one process to the next, so the grader's run would not find them); a
+seeded sample of candidate bugs (``experiments.swe.mutations``) is each written into a
+scratch copy and the suite run again with a timeout (some bugs loop). Every run is in
+the jail the grader's are in (``jailed_tests``), so a test that needs more than pytest
+(an installed package it imports if it can) is not a task's test either:
 
 - ``FAIL_TO_PASS``: the tests that passed on the base and do not with the bug;
 - ``PASS_TO_PASS``: those that pass with and without it;
@@ -27,9 +33,9 @@ import shutil
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from queue import Queue
@@ -37,11 +43,13 @@ from queue import Queue
 from tqdm import tqdm
 
 from agl.core.run.errors import UserError
+from agl.sandbox.uids import lease
 from experiments.swe import mirror
 from experiments.swe.filters import Removed
 from experiments.swe.instances import Instance
 from experiments.swe.mutations import Mutation, mutations
 from experiments.swe.projects import Project, fetch_sdist, unpack
+from experiments.swe.sandbox import check_available, tool_jail
 from experiments.swe.testrun import PytestServer, SuiteRun
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,7 @@ log = logging.getLogger(__name__)
 TIMED_OUT = "timed out"
 NOTHING_FAILS = "no test fails"
 NOTHING_PASSES = "no test still passes"
+REFERENCE_RUNS = 3  # interpreters the base's suite runs in, to keep only stable test ids
 
 
 @dataclass(frozen=True)
@@ -98,22 +107,26 @@ def candidates(project: Project, base: Path, count: int, seed: int) -> list[Muta
 
 
 @contextmanager
+def jailed_tests(repo: Path) -> Iterator[PytestServer]:
+    """A warm pytest for ``repo`` in the jail the grader runs the tests in (read-only, a
+    Python with pytest alone, a uid of its own): a test that needs more than the task's
+    tests get there (a plugin, an installed package) is never a task's test."""
+    check_available()
+    jail = tool_jail(repo, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, writable=False)
+    with lease() as uid, PytestServer(jail, uid) as server:
+        yield server
+
+
+@contextmanager
 def _slots(base: Path, workers: int) -> Iterator[Queue[tuple[Path, PytestServer]]]:
     """Scratch copies of the base, each with a warm pytest of its own."""
     slots: Queue[tuple[Path, PytestServer]] = Queue()
-    with tempfile.TemporaryDirectory(prefix="agl-swe-make-") as scratch:
-        servers = []
+    with tempfile.TemporaryDirectory(prefix="agl-swe-make-") as scratch, ExitStack() as held:
         for i in range(workers):
             copy = Path(scratch) / f"w{i}" / "repo"
             shutil.copytree(base, copy)
-            server = PytestServer()
-            servers.append(server)
-            slots.put((copy, server))
-        try:
-            yield slots
-        finally:
-            for server in servers:
-                server.close()
+            slots.put((copy, held.enter_context(jailed_tests(copy))))
+        yield slots
 
 
 def _try(
@@ -131,6 +144,46 @@ def _try(
     finally:
         target.write_bytes(original)
         slots.put((copy, server))
+
+
+def stable_passing(runs: Sequence[Mapping[str, str]]) -> tuple[list[str], int]:
+    """The tests that passed in every run, less every test of a function whose tests were
+    not named alike in each; and how many passing tests that leaves out."""
+    named: list[dict[str, frozenset[str]]] = []
+    for run in runs:
+        tests: dict[str, set[str]] = {}
+        for test in run:
+            tests.setdefault(_function(test), set()).add(test)
+        named.append({f: frozenset(ts) for f, ts in tests.items()})
+    functions = set().union(*named)
+    unsteady = {f for f in functions if len({n.get(f, frozenset()) for n in named}) > 1}
+    passed = [{t for t, o in run.items() if o == "passed"} for run in runs]
+    kept = sorted(t for t in set.intersection(*passed) if _function(t) not in unsteady)
+    return kept, len(set.union(*passed)) - len(kept)
+
+
+def _function(test: str) -> str:
+    """A test's function: its node id less its parameters."""
+    return test.partition("[")[0]
+
+
+def _references(
+    project: Project, base: Path, slots: Queue[tuple[Path, PytestServer]], workers: int
+) -> list[SuiteRun]:
+    """The base's suite in each slot's server and in fresh ones, ``REFERENCE_RUNS`` in
+    all, each a process of its own (a candidate may run in any slot's)."""
+    runs = []
+    taken = [slots.get() for _ in range(workers)]
+    try:
+        for copy, server in taken:
+            runs.append(server.run(copy, project.pytest_arguments(), project.pythonpath, 120.0))
+    finally:
+        for slot in taken:
+            slots.put(slot)
+    for _ in range(REFERENCE_RUNS - len(runs)):
+        with jailed_tests(base) as fresh:
+            runs.append(fresh.run(base, project.pytest_arguments(), project.pythonpath, 120.0))
+    return runs
 
 
 @dataclass
@@ -151,10 +204,9 @@ def make_project(project: Project, root: Path, sdists: Path, options: MakeOption
     mirror.write_project(root, project)
     base_commit = hashlib.sha1(sdist.read_bytes()).hexdigest()
     with _slots(base, options.workers) as slots:
-        copy, server = slots.get()
-        reference = server.run(copy, project.pytest_arguments(), project.pythonpath, 120.0)
-        slots.put((copy, server))
-        passing = sorted(t for t, o in reference.outcomes.items() if o == "passed")
+        references = _references(project, base, slots, options.workers)
+        reference = references[0]
+        passing, unstable = stable_passing([r.outcomes for r in references])
         if not passing:
             raise UserError(
                 f"{project.repo}: no test passes on its base: {reference.output[-300:]}"
@@ -215,6 +267,7 @@ def make_project(project: Project, root: Path, sdists: Path, options: MakeOption
     details = {
         "tests": len(reference.outcomes),
         "passing_on_base": len(passing),
+        "unstable_ids": unstable,
         "candidates": len(tried),
         "kept": len(instances),
         "suite_seconds_on_base": round(reference.seconds, 3),

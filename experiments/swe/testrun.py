@@ -39,6 +39,9 @@ _BOOT_JAILED = (
     f"import sys; sys.path[:0] = [{str(Path(_JAILED).parent)!r}, {SITE!r}]; "
     "from agl_pytest_server import main; main()"
 )
+# One hash seed for every run: a test parametrized over a set (isodate's) has ids that
+# follow the set's order, so the ids a task was made with must be the ids it is graded by.
+HASH_SEED = "0"
 # Past the run's own timeout, how long the server may take to answer before it is killed.
 ANSWER_GRACE_S = 30.0
 
@@ -107,12 +110,14 @@ class PytestServer:
             executable = sys.executable
         else:
             server = Bind(str(Path(__file__).with_name("pytest_server.py")), _JAILED)
-            jail = dataclasses.replace(jail, read_only=(*jail.read_only, server))
+            env = {**jail.env, "PYTHONHASHSEED": HASH_SEED}
+            jail = dataclasses.replace(jail, read_only=(*jail.read_only, server), env=env)
             boot, executable = _BOOT_JAILED, str(interpreter())
-        # Isolated (-I): neither the folder it starts in (the repository) nor PYTHON*
-        # variables reach its sys.path, so a sitecustomize.py or a pytest.py the agent
-        # left there is never imported by the process that reports outcomes.
-        self._command = [executable, "-I", "-c", boot]
+        # -s -P: neither the folder it starts in (the repository) nor a user's site folder
+        # reaches its sys.path, so a sitecustomize.py or a pytest.py the agent left there
+        # is never imported by the process that reports outcomes. Not -I, which would
+        # ignore PYTHONHASHSEED: its environment is ours alone anyway.
+        self._command = [executable, "-s", "-P", "-c", boot]
         self._jail = jail
         self._uid = uid
         self._process: subprocess.Popen[str] | None = None
@@ -130,6 +135,7 @@ class PytestServer:
             env = {
                 "PATH": "/usr/bin:/bin",
                 "PYTHONDONTWRITEBYTECODE": "1",
+                "PYTHONHASHSEED": HASH_SEED,
                 # the projects' tests need pytest alone; this machine's plugins cost 5-8x
                 "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
             }

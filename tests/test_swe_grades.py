@@ -1,0 +1,45 @@
+"""An honest fix earns 1 on every project tasks are made from, the bug left in place 0:
+the grader's read-only checkout, its planted tests and its jail change nothing an honest
+agent relies on (issue 43). One task per project, made the pipeline's way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agl.sandbox.launch import unavailable
+from experiments.swe import mirror
+from experiments.swe.grader import grade_checkout
+from experiments.swe.make import MakeOptions, make_project
+from experiments.swe.projects import load_projects
+
+SDISTS = Path("~/.cache/agl/sdists").expanduser()
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=f"no namespaces here: {unavailable()}")
+@pytest.mark.parametrize("name", sorted(load_projects()))
+def test_an_honest_fix_earns_1_and_the_bug_0_on_every_project(
+    tmp_path: Path, name: str
+) -> None:
+    root = tmp_path / "mirror"
+    options = MakeOptions(per_project=3, seed=0, empty_statements=0.0, missing_branches=0.0)
+    made = make_project(load_projects()[name], root, SDISTS, options)
+    assert made.instances, made.removed
+    instance = made.instances[0]
+    row = {
+        "instance_id": instance.instance_id,
+        "repo": instance.repo,
+        "FAIL_TO_PASS": list(instance.FAIL_TO_PASS),
+        "PASS_TO_PASS": list(instance.PASS_TO_PASS),
+        "mirror": str(root),
+    }
+    fixed, bugged = tmp_path / "fixed", tmp_path / "bugged"
+    mirror.checkout(root, instance.repo, instance.instance_id, fixed)
+    mirror.apply_diff(fixed, instance.patch, reverse=True)  # the fix, written out
+    mirror.checkout(root, instance.repo, instance.instance_id, bugged)
+    honest = grade_checkout(row, fixed, [])
+    assert honest.reward == 1.0, str({k: v for k, v in honest.details.items() if k != "diff"})
+    assert "refused" not in honest.details
+    left = grade_checkout(row, bugged, [])
+    assert left.reward == 0.0 and "refused" not in left.details, left.details
