@@ -19,9 +19,7 @@ SDISTS = Path("~/.cache/agl/sdists").expanduser()
 
 @pytest.mark.skipif(unavailable() is not None, reason=f"no namespaces here: {unavailable()}")
 @pytest.mark.parametrize("name", sorted(load_projects()))
-def test_an_honest_fix_earns_1_and_the_bug_0_on_every_project(
-    tmp_path: Path, name: str
-) -> None:
+def test_an_honest_fix_earns_1_and_the_bug_0_on_every_project(tmp_path: Path, name: str) -> None:
     root = tmp_path / "mirror"
     options = MakeOptions(per_project=3, seed=0, empty_statements=0.0, missing_branches=0.0)
     made = make_project(load_projects()[name], root, SDISTS, options)
