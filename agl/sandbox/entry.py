@@ -53,10 +53,8 @@ import ctypes
 import errno
 import json
 import os
-import platform
 import resource
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -130,9 +128,10 @@ def umount(target):
 
 
 def pivot_root(new_root, put_old):
-    number = _PIVOT_ROOT.get(platform.machine())
+    machine = os.uname().machine
+    number = _PIVOT_ROOT.get(machine)
     if number is None:
-        raise SetupError(f"pivot_root: unknown system call number on {platform.machine()}")
+        raise SetupError(f"pivot_root: unknown system call number on {machine}")
     _check(_libc.syscall(number, _b(new_root), _b(put_old)), f"pivot_root {new_root}")
 
 
@@ -158,15 +157,17 @@ def bind(source, target, flags=0):
     mount(source, target, None, MS_BIND | flags)
 
 
-def mount_points(under):
-    """The mount points of this namespace at or below ``under``, shallowest first."""
+def mount_points(*roots):
+    """The mount points of this namespace at or below any of ``roots``, shallowest
+    first."""
     # While the tree is built, the namespace's /proc is the machine tree's, under /old.
     proc = "/old/proc" if os.path.isdir("/old/proc/self") else "/proc"
     with open(f"{proc}/self/mountinfo", "rb") as f:
         lines = f.read().decode("utf-8", "surrogateescape").splitlines()
     # The fifth field, with space, tab, newline and backslash escaped in octal.
     points = {_unescape(line.split(" ")[4]) for line in lines if line.strip()}
-    return sorted((p for p in points if p == under or _below(p, under)), key=len)
+    inside = (p for p in points if any(p == r or _below(p, r) for r in roots))
+    return sorted(inside, key=len)
 
 
 def _unescape(field):
@@ -185,11 +186,14 @@ def _below(path, folder):
     return path != folder and os.path.commonpath([path, folder]) == folder
 
 
-def all_read_only(root):
-    """Every mount at or below ``root`` read-only. A mount that cannot be reached (covered
-    by another, or behind a folder this process may not enter, which the command may not
-    either) is left; one that refuses is an error: the command must not write there."""
-    for point in mount_points(root):
+def all_read_only(*roots, keep=()):
+    """Every mount at or below each of ``roots`` read-only, but for those at or below
+    ``keep``. A mount that cannot be reached (covered by another, or behind a folder this
+    process may not enter, which the command may not either) is left; one that refuses
+    is an error: the command must not write there."""
+    for point in mount_points(*roots):
+        if any(point == k or _below(point, k) for k in keep):
+            continue
         try:
             read_only(point)
         except OSError as error:
@@ -261,6 +265,7 @@ class Builder:
                 os.symlink(os.readlink(self.old("/" + name)), self.new("/" + name))
             elif os.path.isdir(self.old("/" + name)):
                 self.spec["binds"].append([f"/{name}", f"/{name}", False])
+        read_only_targets = []
         for source, target, write in self.spec["binds"]:
             if not os.path.lexists(self.old(source)):
                 raise SetupError(f"nothing to bind at {source}")
@@ -269,7 +274,9 @@ class Builder:
             if write:
                 self.bound.add(target)
             else:
-                all_read_only(self.new(target))
+                read_only_targets.append(self.new(target))
+        writable_targets = [self.new(t) for t in self.bound]
+        all_read_only(*read_only_targets, keep=writable_targets)
         self.proc()
         self.dev()
 
@@ -576,7 +583,8 @@ def run(spec):
     user = []
     if spec.get("uid") is not None:
         user = [f"--reuid={spec['uid']}", f"--regid={spec['gid']}", "--clear-groups"]
-    setpriv = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")
+    places = ("/usr/bin/setpriv", "/bin/setpriv", "/usr/sbin/setpriv", "/sbin/setpriv")
+    setpriv = next((p for p in places if os.access(p, os.X_OK)), None)
     if setpriv is None:
         raise SetupError("setpriv (util-linux) is not in the sandbox")
     limits = spec.get("limits")

@@ -149,16 +149,17 @@ def _refused(programs: Mapping[str, str], path: str) -> dict[str, str]:
     return found
 
 
-def site_binds(names: Iterable[str]) -> list[Bind]:
+@functools.cache
+def site_binds(names: tuple[str, ...]) -> tuple[Bind, ...]:
     """Each top-level module, package and metadata folder of the distributions ``names``
-    and those they require, bound at ``SITE``."""
+    and those they require, bound at ``SITE`` (read from their metadata once a process)."""
     binds: dict[str, Bind] = {}
     for dist in distributions(names):
         for top in _tops(dist):
             source = Path(str(dist.locate_file(top))).resolve()
             if source.exists():
                 binds.setdefault(top, Bind(str(source), f"{SITE}/{top}"))
-    return list(binds.values())
+    return tuple(binds.values())
 
 
 def site_modules(names: Iterable[str]) -> set[str]:
