@@ -464,6 +464,7 @@ def test_what_counts_as_forged() -> None:
     assert "must fail" in (canaries.forged({"o": "passed", "c": "passed", "g": "passed"}) or "")
     assert "not reported" in (canaries.forged({"o": "passed", "c": "passed"}) or "")
     assert NodeId.parse("doc.txt::x") is None and NodeId.parse("a.py") is None
+    assert NodeId.parse("../a.py::t") is None and NodeId.parse("/a.py::t") is None
     assert NodeId.parse("a.py::T::t[x::y]") == NodeId("a.py", ("T",), "t", "[x::y]")
 
 

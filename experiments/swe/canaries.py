@@ -48,6 +48,8 @@ class NodeId:
         parts = base.split("::")
         if len(parts) < 2 or not parts[0].endswith(".py"):
             return None
+        if Path(parts[0]).is_absolute() or ".." in Path(parts[0]).parts:
+            return None  # a test module is the checkout's
         if not all(p.isidentifier() for p in parts[1:]):
             return None
         return cls(parts[0], tuple(parts[1:-1]), parts[-1], bracket + rest)
