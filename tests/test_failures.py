@@ -35,6 +35,10 @@ CASES = [
     (Status.FAILED, "grader raised: IsADirectoryError: x", False, [], Cause.GRADER),
     (Status.FAILED, "grader raised: ConnectError: refused", False, [], Cause.GRADER),
     (Status.FAILED, "cannot report the grade: ConnectError: x", False, [], Cause.GATEWAY),
+    # The model's own text in a harness's message names no cause but the harness's: were
+    # it read as the gateway's, the attempt would be retried instead of scored.
+    (Status.FAILED, "ValueError: the tool said ConnectError", False, [], Cause.HARNESS_ERROR),
+    (Status.FAILED, "RuntimeError: APIConnectionError: x", False, [], Cause.HARNESS_ERROR),
     # The harness raised because its model call failed at the endpoint: not its fault.
     (Status.FAILED, "model call refused: 502", False, [{"status": 502}], Cause.UPSTREAM),
     # A 400 the harness provoked is its own doing.

@@ -47,7 +47,7 @@ import httpx
 from agl.agent import AgentContext, event_id
 from agl.backends.execution.worker import one_line
 from agl.core.client import AsyncGatewayClient
-from agl.core.contracts.failures import GRADER_RAISED
+from agl.core.contracts.failures import GRADE_NOT_POSTED, GRADER_RAISED
 from agl.core.contracts.records import EventIn
 from agl.core.run.tasks import load_callable
 
@@ -167,5 +167,5 @@ async def grade_attempt(
     try:
         await post_grade(context, grade)
     except Exception as error:
-        raise GradeNotPosted(f"cannot report the grade: {one_line(error)}") from error
+        raise GradeNotPosted(f"{GRADE_NOT_POSTED}{one_line(error)}") from error
     return None

@@ -52,6 +52,7 @@ _EXECUTOR_PREFIXES = (
     "interrupted:",  # the trainer restarted
 )
 GRADER_RAISED = "grader raised"  # how agl/grading/'s attempts fail when their grader raises
+GRADE_NOT_POSTED = "cannot report the grade: "  # ... when the gateway took no grade
 _TIMEOUT_PREFIXES = ("timed out after", "attempt timed out", "Job failed (DeadlineExceeded)")
 _NO_STATUS = "agent exited without reporting a status"
 # Exceptions a harness raises when the gateway is not there to answer (openai, httpx).
@@ -87,7 +88,9 @@ def failure_cause(
         return Cause.GRADER
     if any(_is_endpoint_error(d) for d in failed_calls):
         return Cause.UPSTREAM
-    if any(name in text for name in _UNREACHABLE):
+    # The exception's type, never a word of its message: a harness's message may carry
+    # the model's text, which must not pass the agent's failure off as the gateway's.
+    if text.removeprefix(GRADE_NOT_POSTED).partition(":")[0].strip() in _UNREACHABLE:
         return Cause.GATEWAY
     if text.startswith(_TIMEOUT_PREFIXES):
         return Cause.TIMEOUT
