@@ -106,16 +106,22 @@ def cycles(graph: Graph) -> list[list[str]]:
     return found
 
 
-def contract_leaks(graph: Graph) -> list[tuple[str, str]]:
-    """(contract, agl module outside the contracts) for every such import."""
-    inside = (CONTRACTS, f"{CONTRACTS}.")
+def leaks(graph: Graph, room: str, allowed: frozenset[str]) -> list[tuple[str, str]]:
+    """(module of ``room``, agl module outside it and not ``allowed``) for every such
+    import."""
+    inside = (room, f"{room}.")
     return sorted(
         (source, target)
         for source, targets in graph.items()
         if source.startswith(inside)
         for target in targets
-        if not target.startswith(inside) and target not in ("agl", "agl.core")
+        if not target.startswith(inside) and target not in allowed
     )
+
+
+def contract_leaks(graph: Graph) -> list[tuple[str, str]]:
+    """(contract, agl module outside the contracts) for every such import."""
+    return leaks(graph, CONTRACTS, frozenset({"agl", "agl.core"}))
 
 
 def entry_point_imports(graph: Graph) -> list[tuple[str, str]]:
@@ -129,14 +135,7 @@ def entry_point_imports(graph: Graph) -> list[tuple[str, str]]:
 
 def sandbox_leaks(graph: Graph) -> list[tuple[str, str]]:
     """(sandbox module, agl module outside it and the bottom) for every such import."""
-    inside = (SANDBOX, f"{SANDBOX}.")
-    return sorted(
-        (source, target)
-        for source, targets in graph.items()
-        if source.startswith(inside)
-        for target in targets
-        if not target.startswith(inside) and target not in SANDBOX_MAY_IMPORT
-    )
+    return leaks(graph, SANDBOX, SANDBOX_MAY_IMPORT)
 
 
 def non_standard_imports(tree: ast.Module) -> list[str]:

@@ -227,10 +227,15 @@ class Builder:
         self.kept = [os.path.normpath(p) for p in spec.get("kept", [])]
         self.writable = [os.path.normpath(p) for p in spec.get("writable", [])]
         self.bound = set()  # paths (as the command sees them) bound back writable
+        self.binds = list(spec.get("binds", []))
+        if spec["view"] == "jail":  # the machine's /bin-style folders that are not links
+            places = [f"/{name}" for name in LINKS]
+            real = [
+                p for p in places if os.path.isdir(self.old(p)) and not os.path.islink(self.old(p))
+            ]
+            self.binds += [[p, p, False] for p in real]
         # A jail's binds: each target's source; a hidden folder above one binds it back.
-        self.sources = {
-            os.path.normpath(t): os.path.normpath(s) for s, t, _ in spec.get("binds", [])
-        }
+        self.sources = {os.path.normpath(t): os.path.normpath(s) for s, t, _ in self.binds}
         self.kept += [t for t in self.sources if t not in self.writable]
 
     @staticmethod
@@ -263,10 +268,8 @@ class Builder:
         for name in LINKS:
             if os.path.islink(self.old("/" + name)):
                 os.symlink(os.readlink(self.old("/" + name)), self.new("/" + name))
-            elif os.path.isdir(self.old("/" + name)):
-                self.spec["binds"].append([f"/{name}", f"/{name}", False])
         read_only_targets = []
-        for source, target, write in self.spec["binds"]:
+        for source, target, write in self.binds:
             if not os.path.lexists(self.old(source)):
                 raise SetupError(f"nothing to bind at {source}")
             make_point(self.new(target), os.path.isdir(self.old(source)))

@@ -66,7 +66,8 @@ class Invocation:
     """What to start for one sandboxed command; the status once it has ended."""
 
     def __init__(self, spec: Spec) -> None:
-        self._spec_fd = os.memfd_create("agl-sandbox-spec", 0)
+        # Close-on-exec, as the pipe's ends are: only the child passed them gets them.
+        self._spec_fd = os.memfd_create("agl-sandbox-spec")
         os.write(self._spec_fd, spec.dumps())
         os.lseek(self._spec_fd, 0, os.SEEK_SET)
         self._status_r, self._status_w = os.pipe()
@@ -85,7 +86,7 @@ class Invocation:
         """Call once the process is started: this side's copies of its ends are closed,
         so that the status pipe ends when the sandbox does."""
         for fd in (self._spec_fd, self._status_w):
-            with contextlib.suppress(OSError):
+            if fd >= 0:
                 os.close(fd)
         self._spec_fd = self._status_w = -1
 
@@ -100,8 +101,9 @@ class Invocation:
 
     def close(self) -> None:
         self.started()
-        with contextlib.suppress(OSError):
+        if self._status_r >= 0:
             os.close(self._status_r)
+            self._status_r = -1
 
 
 def parse_status(data: bytes) -> Status:

@@ -60,7 +60,6 @@ class LocalExecutorConfig:
     ) -> Iterator[Start]:
         """How to start an agent's process: confined (``writable``: its own folders, in
         the hidden ones) or as it is. The block must outlive the process."""
-        here = cwd or Path.cwd()
         if not self.confining:
             yield Start(list(argv), {"env": dict(env), "cwd": cwd, "pass_fds": tuple(pass_fds)})
             return
@@ -68,7 +67,7 @@ class LocalExecutorConfig:
             hidden=(Path(self.run_dir), *map(Path, self.hide)),
             kept=(*code_paths(self.extra_pythonpath), *map(Path, self.keep)),
         )
-        with confined(argv, confinement, env, here, writable, pass_fds) as start:
+        with confined(argv, confinement, env, cwd or Path.cwd(), writable, pass_fds) as start:
             yield start
 
     @property
