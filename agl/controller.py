@@ -1,5 +1,10 @@
 """``python -m agl.controller executor=k8s gateway_url=http://agl-gateway:8000 ...``
 
+The controller's command, apart from its package (``agl/core/controller/``, the reconcile
+loop the trainer also runs in process) because ``python -m agl.controller`` is the public
+command (the deploy manifests'), and a package's ``__main__`` could only give
+``python -m agl.core.controller``.
+
 The rollout controller as a service of its own (a Deployment next to the gateway): it
 launches every queued rollout of the gateway as a Kubernetes Job (``executor=k8s``) or
 a local process (``executor=local``). The admin token comes from ``AGL_ADMIN_TOKEN``.
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agl.core.run.cli import parse_or_exit
+from agl.core.command_line import parse_or_exit
 
 if TYPE_CHECKING:
     from agl.core.contracts.execution import Executor

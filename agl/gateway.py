@@ -1,5 +1,10 @@
 """``python -m agl.gateway host=127.0.0.1 port=8000 run_dir=runs/gateway``
 
+The gateway's command, apart from its package (``agl/core/gateway/``, the library the
+trainer and this command both run) because ``python -m agl.gateway`` is the public
+command (the deploy manifests', ``ChildGateway``'s), and a package's ``__main__`` could
+only give ``python -m agl.core.gateway``.
+
 A host other than loopback needs a secret configured (``GatewayConfig``): without one the
 gateway refuses to start, with one line and exit status 2.
 """
@@ -12,12 +17,12 @@ from pathlib import Path
 
 import uvicorn
 
+from agl.core.command_line import parse_or_exit
 from agl.core.gateway.app import create_app
 from agl.core.gateway.auth import load_admin_token
 from agl.core.gateway.config import GatewayConfig, bind_refusal
 from agl.core.gateway.connections import http_protocol
 from agl.core.gateway.private_files import private_dir
-from agl.core.run.cli import parse_or_exit
 
 log = logging.getLogger("agl.gateway")
 

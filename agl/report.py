@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agl.core.run.errors import UserError
-from agl.core.run.history import CHOICES, METRICS_FILE, Run, load_run
+from agl.core.run_metrics import CHOICES, METRICS_FILE, Run, load_run
+from agl.core.user_error import UserError
 
 log = logging.getLogger("agl.report")
 

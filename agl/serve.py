@@ -31,9 +31,10 @@ from pathlib import Path
 
 import uvicorn
 
+from agl.core.command_line import parse_or_exit
 from agl.core.gateway.config import is_loopback
 from agl.core.gateway.upstream import KEY_ENV_VAR, load_key
-from agl.core.run.cli import check_port, parse_or_exit
+from agl.core.ports import check_port
 
 log = logging.getLogger("agl.serve")
 

@@ -21,8 +21,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
-from agl.core.run.build import CONF, ROOT
-from agl.core.run.errors import UserError
+from agl.core.repository import CONF, ROOT
+from agl.core.user_error import UserError
 
 __all__ = ["CONF", "ROOT", "check_choices", "main", "train"]
 
@@ -92,21 +92,23 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
 
     from agl.backends.inference.models import ModelUnavailable, default_cache_dir
     from agl.core.client import AsyncGatewayClient, fast_http_client
+    from agl.core.config_groups import (
+        load_configured_model,
+        make_advantage,
+        make_merge,
+        text_decode,
+    )
     from agl.core.contracts.records import ModelEndpoint
     from agl.core.controller.reconcile import Controller
+    from agl.core.datasets import DatasetError
     from agl.core.run.build import (
         backend_config,
         executor_for,
         inference_key,
         inference_service,
-        load_configured_model,
-        make_advantage,
-        make_merge,
         policy_for,
-        text_decode,
     )
     from agl.core.run.console import Progress, summary
-    from agl.core.run.datasets import DatasetError
     from agl.core.run.services import ChildGateway
     from agl.core.run.task_services import ChildService
     from agl.core.run.tasks import Task, TaskConfig

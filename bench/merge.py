@@ -23,9 +23,9 @@ import time
 from collections.abc import Sequence
 
 from agl.core.contracts.samples import BreakReason, ModelCall, Sample
-from agl.core.trainer.calls import dedup
-from agl.core.trainer.metrics import merge_metrics
-from agl.core.trainer.metrics import unique_tokens as distinct_prefixes
+from agl.strategies.dedup import dedup
+from agl.strategies.merge_metrics import merge_metrics
+from agl.strategies.merge_metrics import unique_tokens as distinct_prefixes
 from agl.strategies.registry import get, names
 from agl.testing.retok import load_tokenizer
 from agl.testing.retok.traces import MECHANISMS, generate_traces

@@ -5,7 +5,7 @@ One synthetic training batch shaped like agentic RL: about 400 rollouts, 1,000 s
 per-rollout scale on top, clipped to 32k). Every method keeps rollouts whole across
 mini-batches, then assigns samples to 8 ranks; read the ratios side by side:
 
-- ours: ``agl.core.trainer.schedule.schedule`` (KK + local search at both levels);
+- ours: ``agl.backends.training.schedule.schedule`` (KK + local search at both levels);
 - KK only: ``karmarkar_karp`` at both levels, without the local search;
 - greedy: longest first onto the least-loaded part, at both levels;
 - naive: contiguous equal rollout counts per mini-batch, equal sample counts per rank;
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from agl.core.trainer.schedule import karmarkar_karp, pack_micro_batches, schedule
+from agl.backends.training.schedule import karmarkar_karp, pack_micro_batches, schedule
 
 RANKS = 8
 CAP = 16_384  # tokens per micro-batch; longer samples run alone

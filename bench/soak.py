@@ -50,7 +50,7 @@ import httpx
 import psutil
 
 from agl.core.client import GatewayClient, fast_http_client, proxy_base_url
-from agl.core.run.services import free_port
+from agl.core.ports import free_port
 from agl.testing.processes import wait_healthy
 from bench.attacks import MUST_REFUSE, AttackProcess, Plan, Tally, Target
 from bench.tables import table

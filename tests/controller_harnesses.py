@@ -17,8 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from agl.agent import AgentContext
-from agl.backends.execution.worker import shared_http
+from agl.agent import AgentContext, shared_http
 from agl.core.contracts.records import EventIn
 
 

@@ -11,7 +11,7 @@ import openai
 
 from agl.core.client import GatewayClient
 from agl.core.contracts.records import Rollout
-from agl.core.run.services import free_port
+from agl.core.ports import free_port
 from agl.testing.fake_vllm import FakeVllm, reply_for
 from agl.testing.processes import GatewayProcess, gateway_process
 from tests.conftest import base_url

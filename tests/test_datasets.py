@@ -1,4 +1,4 @@
-"""agl.core.run.datasets and the dataset form of a task: rows read from jsonl / json /
+"""agl.core.datasets and the dataset form of a task: rows read from jsonl / json /
 parquet, mapped by ``task.columns``, an epoch a permutation, one line naming a bad file;
 hostile files (deep, expanding, too many rows, too long) refused before the run starts."""
 
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agl.core.run.datasets import (
+from agl.core.datasets import (
     DatasetError,
     DatasetLimits,
     DatasetStream,
@@ -309,7 +309,7 @@ def refusal_and_peak(path: Path) -> tuple[str | None, int]:
     script = (
         "import json, re, sys\n"
         "from pathlib import Path\n"
-        "from agl.core.run.datasets import DatasetError\n"
+        "from agl.core.datasets import DatasetError\n"
         "from agl.core.run.tasks import Task, TaskConfig\n"
         "config = TaskConfig(name='t', harness='m:run', train_files=sys.argv[1])\n"
         "try:\n"

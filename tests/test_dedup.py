@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl.core.contracts.samples import ModelCall
-from agl.core.trainer.calls import dedup
+from agl.strategies.dedup import dedup
 
 
 def call(prompt: list[int], response: list[int], choice: int = 0) -> ModelCall:

@@ -37,8 +37,8 @@ from agl.backends.execution.k8s.naming import (
     ROLLOUT_ID,
     job_name,
 )
+from agl.core.command_line import parse_overrides
 from agl.core.gateway.config import GatewayConfig
-from agl.core.run.cli import parse_overrides
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 K8S = DEPLOY / "k8s"

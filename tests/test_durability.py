@@ -14,7 +14,7 @@ import pytest
 
 from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.contracts.records import EventIn
-from agl.core.run.services import free_port
+from agl.core.ports import free_port
 from agl.testing.fake_vllm import FakeVllm, reply_for
 from agl.testing.processes import gateway_process
 

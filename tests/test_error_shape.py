@@ -1,5 +1,5 @@
 """Every 4xx/5xx the gateway sends is in one shape, OpenAI's ``ErrorResponse``
-(``agl.core.gateway.errors``): its own refusals, FastAPI's and Starlette's, the body and rate
+(``agl.core.http_errors``): its own refusals, FastAPI's and Starlette's, the body and rate
 limits, the proxy's, and the inference endpoint's errors, wrapped whatever shape they
 came in. The Anthropic routes' bodies are Anthropic's shape as well."""
 
@@ -17,8 +17,8 @@ from aiohttp import web
 
 from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.contracts.records import Rollout
-from agl.core.gateway.errors import UPSTREAM_CODE, ErrorResponse
-from agl.core.run.services import free_port
+from agl.core.http_errors import UPSTREAM_CODE, ErrorResponse
+from agl.core.ports import free_port
 from agl.testing.fake_vllm import FakeVllm, serve_in_thread
 from agl.testing.processes import GatewayProcess, gateway_process
 

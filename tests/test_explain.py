@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from agl.core.contracts.records import Event
 from agl.core.contracts.samples import BreakReason, ModelCall, Sample
-from agl.core.trainer.calls import dedup
 from agl.core.trainer.explain import Explanation, calls_from_events, explain
+from agl.strategies.dedup import dedup
 from agl.strategies.merging import common_prefix_len
 from agl.strategies.registry import get
 from agl.testing.retok import load_tokenizer

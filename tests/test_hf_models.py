@@ -26,7 +26,7 @@ from agl.backends.inference.models import (
 )
 from agl.backends.inference.vllm import find_vllm_python
 from agl.core.contracts.records import Event
-from agl.core.run.folder import load_run
+from agl.core.run_folder import load_run
 from agl.core.trainer.explain import BreakDetail, calls_from_events, explain
 from tests.hf_folders import LLAMA_SPECIALS, write_llama, write_questions, write_qwen3
 from tests.train_runs import ROOT, trained_two_steps
@@ -279,7 +279,7 @@ def test_agl_serve_serves_a_folder_with_its_template_and_tool_parser(tmp_path: P
     a chat with tools and a tool-call history rendered by the folder's own template."""
     import openai
 
-    from agl.core.run.services import free_port
+    from agl.core.ports import free_port
     from agl.testing.processes import wait_healthy
 
     folder = write_llama(tmp_path / "my-llama")

@@ -35,11 +35,12 @@ from agl.backends.inference.vllm import GUARD_MODULE, install_guard
 from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.contracts.records import ModelEndpoint
 from agl.core.gateway.config import GatewayConfig
-from agl.core.gateway.errors import ErrorResponse
 from agl.core.gateway.upstream import KEY_ENV_VAR, load_key
+from agl.core.http_errors import ErrorResponse
+from agl.core.ports import free_port
 from agl.core.run.build import inference_key
-from agl.core.run.errors import UserError
-from agl.core.run.services import ChildGateway, free_port
+from agl.core.run.services import ChildGateway
+from agl.core.user_error import UserError
 from tests.train_runs import SMALL, run_train
 
 KEY = "k" * 43
@@ -221,7 +222,8 @@ def trainer_parts(tmp_path: Path) -> Iterator[tuple[str, ChildGateway, Any, Any]
     ``agl.train`` makes and starts them; stopped after."""
     from omegaconf import OmegaConf
 
-    from agl.core.run.build import inference_service, load_configured_model
+    from agl.core.config_groups import load_configured_model
+    from agl.core.run.build import inference_service
 
     cfg = compose("inference=embedded")
     options = OmegaConf.to_container(cfg, resolve=True)

@@ -13,9 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agl.core.client import GatewayClient
+from agl.core.contracts.call_validity import invalid_reason
 from agl.core.contracts.records import Event, Rollout, Status
 from agl.core.trainer.assemble import FinishedRollout, assemble
-from agl.core.trainer.calls import invalid_reason, read_calls
+from agl.core.trainer.calls import read_calls
 from agl.strategies.advantage.rollout import rollout_advantage
 from agl.strategies.merge.prefix import prefix as merge_prefix
 from agl.testing.fake_vllm import BYTE_OFFSET, FakeVllm, encode

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl.core.contracts.samples import BreakReason, ModelCall, Sample
-from agl.core.trainer.calls import dedup
+from agl.strategies.dedup import dedup
 from agl.strategies.registry import get, names
 from tests.toy_traces import decode, traces
 
@@ -222,7 +222,7 @@ def test_calls_from_events_keeps_trainable_model_requests_in_order() -> None:
 
 
 def test_merge_metrics_count_breaks_and_stitches() -> None:
-    from agl.core.trainer.metrics import merge_metrics
+    from agl.strategies.merge_metrics import merge_metrics
 
     first = ModelCall([9], [1, 2], [-0.1, -0.2])
     retokenized = ModelCall([9, 5, 8, 3], [4], [-0.3])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agl.core.contracts.samples import BreakReason
-from agl.core.trainer.calls import dedup
+from agl.strategies.dedup import dedup
 from agl.strategies.registry import get
 from agl.testing.retok import load_tokenizer
 from agl.testing.retok.traces import MECHANISMS, Rates, generate_traces

@@ -16,8 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agl.backends.inference.qwen_chat import TINY_TOKENIZER_PATH
 from agl.strategies.merging import common_prefix_len
-from agl.testing.retok import SPECIAL_TOKENS, TOKENIZER_PATH, load_tokenizer
+from agl.testing.retok import SPECIAL_TOKENS, load_tokenizer
 from agl.testing.retok.make_tokenizer import PROSE_WORDS, tokenizer_json
 from agl.testing.retok.template import (
     parse_assistant_output,
@@ -61,7 +62,7 @@ def system_ids() -> list[int]:
 
 
 def test_committed_tokenizer_is_what_make_tokenizer_writes() -> None:
-    committed = TOKENIZER_PATH.read_text(encoding="utf-8")
+    committed = TINY_TOKENIZER_PATH.read_text(encoding="utf-8")
     assert committed == tokenizer_json(), "run python -m agl.testing.retok.make_tokenizer"
     assert len(committed.encode()) < 200_000
     assert 1000 <= TOK.vocab_size <= 2000

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import uuid
@@ -23,7 +24,7 @@ from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.contracts.queries import RolloutRow, SummaryQuery
 from agl.core.contracts.records import Event, Rollout
 from agl.core.contracts.samples import BreakReason
-from agl.core.run.folder import RunFolderError, load_run
+from agl.core.run_folder import RunFolderError, load_run
 from agl.core.trainer.explain import Explanation, calls_from_events, explain
 from agl.rollouts.ls import LS_PAGE, listed
 from agl.rollouts.select import PAGE, Filters, matching, step_of
@@ -589,9 +590,14 @@ def test_step_and_spelling() -> None:
 
 
 @pytest.fixture(scope="module")
-def real_run(short_run: Path) -> Iterator[tuple[Path, GatewayProcess]]:
-    """The shared short run (tests/conftest.py), its store served again."""
-    with gateway_process(short_run / "gateway") as gw:
+def real_run(
+    short_run: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, GatewayProcess]]:
+    """The shared short run (tests/conftest.py), a copy of its store served again: a
+    gateway writes to its store, and other processes read the run."""
+    store = tmp_path_factory.mktemp("real_run") / "gateway"
+    shutil.copytree(short_run / "gateway", store)
+    with gateway_process(store) as gw:
         yield short_run, gw
 
 

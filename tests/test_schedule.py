@@ -1,4 +1,4 @@
-"""The scheduler's invariants (agl/core/trainer/schedule.py's docstring), as properties.
+"""The scheduler's invariants (agl/backends/training/schedule.py's docstring), as properties.
 
 Each invariant is one ``check_*`` function, run by a Hypothesis property over random
 sample sets (1-6 samples per rollout, 1-4000 tokens each, shuffled so a rollout's samples
@@ -18,8 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl.core.contracts.samples import Sample
-from agl.core.trainer.schedule import (
+from agl.backends.training.schedule import (
     MiniBatch,
     RankBatch,
     Schedule,
@@ -30,6 +29,7 @@ from agl.core.trainer.schedule import (
     schedule,
     token_cost,
 )
+from agl.core.contracts.samples import Sample
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -234,7 +234,7 @@ def test_deterministic(problem: tuple[list[Sample], dict[str, int]]) -> None:
 _CHILD = """
 import json, random
 from types import SimpleNamespace
-from agl.core.trainer.schedule import schedule
+from agl.backends.training.schedule import schedule
 rng = random.Random(7)
 samples = [
     SimpleNamespace(rollout_id=f"rollout-{rng.randrange(60)}", tokens=[1] * rng.randint(1, 4000))

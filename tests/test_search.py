@@ -356,12 +356,12 @@ def test_the_dense_option_ranks_by_the_encoders_inner_product(tmp_path: Path) ->
     import torch
     from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
-    from agl.testing.retok import TOKENIZER_PATH
+    from agl.backends.inference.qwen_chat import TINY_TOKENIZER_PATH
     from experiments.search.dense import DenseIndex
     from experiments.search.retriever import RetrieverConfig, build_index
 
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_file=str(TOKENIZER_PATH), pad_token="<|endoftext|>"
+        tokenizer_file=str(TINY_TOKENIZER_PATH), pad_token="<|endoftext|>"
     )
     torch.manual_seed(0)
     config = BertConfig(

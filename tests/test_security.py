@@ -27,9 +27,10 @@ from agl.core.contracts.records import EventIn, Rollout
 from agl.core.gateway.app import create_app
 from agl.core.gateway.asgi import BodyLimit
 from agl.core.gateway.config import GatewayConfig, is_loopback
-from agl.core.gateway.errors import ApiError
 from agl.core.gateway.ratelimit import AttemptRateLimit
-from agl.core.run.services import ChildGateway, free_port
+from agl.core.http_errors import ApiError
+from agl.core.ports import free_port
+from agl.core.run.services import ChildGateway
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess, gateway_process, wait_healthy
 

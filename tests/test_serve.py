@@ -38,8 +38,8 @@ from agl.backends.inference.server.tokens import TokenCodec
 from agl.backends.inference.server.tools import parse_tool_calls, tool_parser
 from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.contracts.text_rule import TextRule
-from agl.core.gateway.errors import ErrorResponse
 from agl.core.gateway.upstream import KEY_ENV_VAR
+from agl.core.http_errors import ErrorResponse
 from agl.testing.processes import free_port, gateway_process, serve_process, wait_healthy
 from tests.conftest import vllm_text
 

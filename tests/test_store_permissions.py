@@ -19,7 +19,7 @@ import pytest
 from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.gateway import private_files
 from agl.core.gateway.private_files import private_dir, private_file
-from agl.core.run.services import free_port
+from agl.core.ports import free_port
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess, wait_healthy
 

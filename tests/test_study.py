@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agl.core.run.errors import UserError
-from agl.core.run.history import Run
+from agl.core.run_metrics import Run
+from agl.core.user_error import UserError
 from agl.study.report import (
     METRICS,
     Setting,

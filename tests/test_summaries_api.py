@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from agl.core.client import AsyncGatewayClient, GatewayClient, GatewayError
 from agl.core.contracts.queries import RolloutRow, SortKey, Summary, SummaryQuery
 from agl.core.contracts.records import EventIn, Rollout, Status
-from agl.core.gateway.errors import ErrorResponse
+from agl.core.http_errors import ErrorResponse
 from agl.testing.processes import GatewayProcess, gateway_process
 
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 
-from agl.agent import ENV_API_KEY
 from agl.backends.execution.local.config import LocalExecutorConfig
 from agl.backends.execution.local.executor import LocalExecutor
+from agl.core.contracts.execution import ENV_API_KEY
 from agl.core.contracts.records import Status
 from agl.grading import GRADE_EVENT
 from agl.sandbox.launch import unavailable

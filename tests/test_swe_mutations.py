@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agl.core.run.errors import UserError
+from agl.core.user_error import UserError
 from experiments.swe import mirror
 from experiments.swe.mutations import KINDS, mutations
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl.core.contracts.records import Event, Rollout, Status
-from agl.core.run.datasets import DatasetError
+from agl.core.datasets import DatasetError
 from agl.rollouts.export import export_line
 from experiments.swe import filters, mirror, pipeline, selection, stages, tally
 from experiments.swe.instances import Instance, instance_of, read_instances

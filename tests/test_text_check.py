@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl.backends.inference.models import load_model
-from agl.core.run.build import text_decode
+from agl.core.config_groups import text_decode
 from agl.core.trainer.calls import TokenText, text_mismatch
 
 

@@ -29,6 +29,7 @@ from agl.backends.inference.server.text import ChoiceOutput
 from agl.backends.inference.server.tokens import TokenCodec
 from agl.backends.inference.vllm import find_vllm_python
 from agl.core.client import GatewayClient
+from agl.core.config_groups import text_decode
 from agl.core.contracts.records import Event
 from agl.core.contracts.samples import BreakReason
 from agl.core.contracts.text_rule import (
@@ -39,7 +40,6 @@ from agl.core.contracts.text_rule import (
     text_rule_of,
     text_rule_record,
 )
-from agl.core.run.build import text_decode
 from agl.core.trainer.calls import output_transformed, read_calls, text_mismatch
 from agl.strategies.merge.prefix import prefix as prefix_merge
 from agl.testing.processes import GatewayProcess, gateway_process, serve_process

@@ -18,7 +18,7 @@ from agl.backends.training.packing import packed_logprobs
 from agl.backends.training.torch import TorchBackend, TorchBackendConfig
 from agl.backends.training.tree import additive_mask, linear_parents, token_logprobs
 from agl.core.contracts.samples import ModelCall, Sample, Sampling
-from agl.core.trainer.calls import dedup
+from agl.strategies.dedup import dedup
 from agl.strategies.registry import get
 from tests.toy_traces import traces
 

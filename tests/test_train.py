@@ -17,8 +17,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from agl.core.run.build import backend_config
-from agl.core.run.errors import UserError
 from agl.core.trainer.trajectories import COLUMNS
+from agl.core.user_error import UserError
 from agl.train import CONF, ROOT, check_choices, train
 from tests.train_runs import SMALL, one_line_error, recorded, run_train, trained_two_steps
 from tests.wandb_records import history, tables

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from agl.backends.sampling import transformed_logprobs
+from agl.backends.training.correction import CorrectionConfig, correct
 from agl.backends.training.packing import packed_logprobs
 from agl.backends.training.penalties import kl_penalty
 from agl.backends.training.torch import TorchBackend, TorchBackendConfig
 from agl.core.contracts.samples import NO_TRANSFORM, Sample, Sampling
-from agl.core.trainer.correction import CorrectionConfig, correct
 from agl.strategies.registry import get
 from tests.test_torch_backend import VOCAB_SIZE, linear, make_model, one_thread  # noqa: F401
 

@@ -10,7 +10,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from agl.backends.training.tree import additive_mask, ancestor_mask, linear_parents, token_logprobs
 from agl.core.contracts.samples import ModelCall
-from agl.core.trainer.calls import dedup
+from agl.strategies.dedup import dedup
 from agl.strategies.registry import get
 from tests.toy_traces import VOCAB, traces
 

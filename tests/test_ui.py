@@ -797,7 +797,7 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def retokenized(gateway: GatewayProcess, run: Path) -> list[tuple[Any, Any]]:
     """The rollouts with a break whose two sides spell the same text, found here with
     ``agl.core.trainer.explain`` over the events as the API gives them: (rollout, break)."""
-    from agl.core.run.folder import load_run
+    from agl.core.run_folder import load_run
     from agl.core.trainer.explain import calls_from_events, explain
 
     info = load_run(run)

@@ -55,6 +55,7 @@ from verl.workers.utils.padding import (
 import agl.strategies.loss  # noqa: F401  (registers the loss strategies)
 from agl.backends.inference.models import load_model
 from agl.backends.training.packing import packed_logprobs
+from agl.backends.training.schedule import schedule
 from agl.backends.training.torch import TorchBackend, TorchBackendConfig, ppo_clip_loss
 from agl.backends.training.verl.config import VerlBackendConfig
 from agl.backends.training.verl.dataproto import (
@@ -76,7 +77,6 @@ from agl.backends.training.verl.layout import (
 from agl.backends.training.verl.loss import actor_config
 from agl.backends.training.verl.policy import VerlPolicy
 from agl.core.contracts.samples import Sample
-from agl.core.trainer.schedule import schedule
 from agl.strategies.registry import get
 
 CHECKS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -27,9 +27,10 @@ member ``r / (1 + 1e-6)`` and rloo's ``r``. The tests state it where it shows.
   is the same function, every kind with and without the ``+`` (straight-through k2
   gradient) suffix: values and gradients.
 - Rollout correction (``verl/trainer/ppo/rollout_corr_helper.py``): agl's list version
-  (``agl/core/trainer/correction.py``) gives the weights of ``compute_rollout_correction_weights``
-  (token and sequence TIS, IcePop) and the masks of ``compute_rollout_rejection_mask``
-  (every ``rollout_rs`` option, chained, with one or per-option thresholds).
+  (``agl/backends/training/correction.py``) gives the weights of
+  ``compute_rollout_correction_weights`` (token and sequence TIS, IcePop) and the masks of
+  ``compute_rollout_rejection_mask`` (every ``rollout_rs`` option, chained, with one or
+  per-option thresholds).
 
 The module is skipped where verl is not installed; verl is computed in float64 here so the
 comparison is not limited by float32 rounding.
@@ -58,9 +59,9 @@ from verl.trainer.ppo.rollout_corr_helper import (
     compute_rollout_rejection_mask,
 )
 
+from agl.backends.training.correction import RS_OPTIONS, CorrectionConfig, correct
 from agl.backends.training.penalties import KL_KINDS, kl_penalty
 from agl.core.contracts.samples import Sample
-from agl.core.trainer.correction import RS_OPTIONS, CorrectionConfig, correct
 from agl.strategies.registry import get
 
 TOL = 1e-5

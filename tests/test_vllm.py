@@ -359,8 +359,8 @@ def test_the_embedded_engine_makes_vllms_text_of_vllms_ids(
     the same stop strings, is the text vLLM returned; the trainer's check passes it."""
     from agl.backends.inference.server.text import ChoiceOutput
     from agl.backends.inference.server.tokens import TokenCodec
+    from agl.core.config_groups import text_decode
     from agl.core.contracts.text_rule import text_rule_of
-    from agl.core.run.build import text_decode
     from agl.core.trainer.calls import text_mismatch
 
     stops = [" and", ","]

@@ -21,6 +21,11 @@ called with the mapping), so one harness runs either way::
         ...
         await agent.finish(reward=1.0)
 
+(``agl.agent.harness`` does all of that but the task itself: ``run_episode``.) The
+attempts of a worker process share its HTTP pool (``shared_http``; ``attempt_http`` makes
+one outside a worker): a new ``httpx.AsyncClient`` costs ~80 ms of CPU (it loads the CA
+store), more than a whole trivial rollout.
+
 ``finish`` posts the reward event (with the rollout's other metrics, if any) and sets the
 attempt's status; both are idempotent, so a retried report changes nothing. An attempt
 that ends without ``finish`` is failed by the controller ("agent exited without
@@ -42,25 +47,27 @@ import math
 import os
 import sys
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from agl.core.client import AsyncGatewayClient, proxy_base_url
+from agl.core.client import AsyncGatewayClient, fast_http_client
+from agl.core.contracts.execution import (
+    ENV_API_KEY,
+    ENV_ATTEMPT,
+    ENV_GATEWAY,
+    ENV_INPUT,
+    ENV_MODE,
+    ENV_MODEL,
+    ENV_ROLLOUT,
+    AgentEnv,
+)
 from agl.core.contracts.records import EventIn, Status
 
 log = logging.getLogger(__name__)
 
-ENV_BASE_URL = "OPENAI_BASE_URL"
-ENV_API_KEY = "OPENAI_API_KEY"
-ENV_MODEL = "AGL_MODEL"
-ENV_GATEWAY = "AGL_GATEWAY_URL"
-ENV_ROLLOUT = "AGL_ROLLOUT_ID"
-ENV_ATTEMPT = "AGL_ATTEMPT"
-ENV_MODE = "AGL_MODE"
-ENV_INPUT = "AGL_INPUT"
 # Where a report key comes from when no wrapper in this process holds it: a pipe (a
 # command harness; read once, then closed) or a variable that agl.agent removes at start.
 ENV_REPORT_FD = "AGL_REPORT_FD"
@@ -69,11 +76,15 @@ ENV_REPORT_KEY = "AGL_REPORT_KEY"
 # grader, not the harness, reports (the harness holds no report key).
 ENV_WORKSPACE = "AGL_WORKSPACE"
 ENV_GRADED = "AGL_GRADED"
+# A local run's graded attempts work in run_dir/WORKSPACES/<rollout>.<attempt>.
+WORKSPACES = "workspaces"
 
 # (rollout id, attempt as the environment spells it) -> report key, for the attempts this
 # process runs: filled by the wrapper (the worker, agl.agent) or by the first read of
 # AGL_REPORT_FD. Keyed by the variables' text, so no wrapper parses them twice.
 _report_keys: dict[tuple[str, str], str] = {}
+# The HTTP pool every attempt of this process shares: a worker's (``sharing_http``).
+_shared_http: httpx.AsyncClient | None = None
 
 
 @contextlib.contextmanager
@@ -129,42 +140,50 @@ def undumpable() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
 
 
+def shared_http() -> httpx.AsyncClient | None:
+    """The worker's HTTP pool, for harnesses to pass as ``http=`` (or to an OpenAI client
+    as ``http_client=``); None outside a worker process. Never close it."""
+    return _shared_http
+
+
+@contextlib.asynccontextmanager
+async def sharing_http(connections: int) -> AsyncIterator[None]:
+    """A pool of ``connections`` that every attempt of this process shares while the
+    block runs (a worker's), closed after it."""
+    global _shared_http
+    pool = _shared_http = fast_http_client(connections)
+    try:
+        yield
+    finally:
+        await pool.aclose()
+        _shared_http = None
+
+
+@contextlib.asynccontextmanager
+async def attempt_http(timeout_s: float = 600.0) -> AsyncIterator[httpx.AsyncClient]:
+    """The pool an attempt's calls go through: the worker's own in a worker process,
+    else (the command form, a test) one for this attempt alone, closed after it."""
+    if _shared_http is not None:
+        yield _shared_http
+        return
+    async with fast_http_client(8, timeout_s) as own:
+        yield own
+
+
 class AgentEnvError(ValueError):
     """The environment lacks a variable an agent needs, or holds a malformed one."""
 
 
 @dataclass(frozen=True)
-class AgentContext:
-    gateway_url: str
-    rollout_id: str
-    attempt: int
-    mode: str
-    model: str
-    api_key: str  # the model key
-    input: Any
+class AgentContext(AgentEnv):
+    """An attempt's ``AgentEnv`` as its harness holds it: with the report key, and what it
+    reports with."""
+
     # The report key (events, the attempt's end); the model key where none is held, which
     # the gateway refuses for reporting.
     report_key: str = ""
     # The task's grader reports this attempt (agl/grading/): ``finish`` posts nothing.
     graded: bool = False
-
-    @property
-    def base_url(self) -> str:
-        """The attempt's OpenAI base URL (the gateway's recording proxy)."""
-        return proxy_base_url(self.gateway_url, self.rollout_id, self.attempt, self.mode)
-
-    def to_env(self) -> dict[str, str]:
-        """The agent's environment: everything but the report key."""
-        return {
-            ENV_BASE_URL: self.base_url,
-            ENV_API_KEY: self.api_key,
-            ENV_MODEL: self.model,
-            ENV_GATEWAY: self.gateway_url,
-            ENV_ROLLOUT: self.rollout_id,
-            ENV_ATTEMPT: str(self.attempt),
-            ENV_MODE: self.mode,
-            ENV_INPUT: json.dumps(self.input),
-        }
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> AgentContext:

@@ -26,6 +26,7 @@ from typing import Any, Generic, TypeVar
 import httpx
 from pydantic import TypeAdapter
 
+from agl.core.contracts.execution import PROXY_BASE_PATH
 from agl.core.contracts.queries import RolloutRow, SummaryQuery, Transition
 from agl.core.contracts.records import (
     Admission,
@@ -245,10 +246,8 @@ class _Calls:
 
 def proxy_base_url(gateway_url: str, rollout_id: str, attempt: int, mode: str = "train") -> str:
     """The OpenAI base URL an agent uses for one attempt (its API key: the attempt key)."""
-    return (
-        f"{gateway_url.rstrip('/')}/proxy/rollout/{rollout_id}/attempt/{attempt}"
-        f"/mode/{mode}/openai/v1"
-    )
+    path = PROXY_BASE_PATH.format(rollout_id=rollout_id, attempt=attempt, mode=mode)
+    return gateway_url.rstrip("/") + path
 
 
 def fast_http_client(connections: int = 100, timeout_s: float = 600.0) -> httpx.AsyncClient:

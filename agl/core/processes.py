@@ -1,12 +1,14 @@
 """Child processes tied to their parent: a ``preexec_fn`` so that nothing a process starts
-outlives it, also on ``kill -9`` (Linux: the kernel's parent-death signal). At the bottom
-of the house: it imports nothing of agl's, so every room may use it."""
+outlives it, also on ``kill -9`` (Linux: the kernel's parent-death signal), and an end
+that waits for a child but not forever. At the bottom of the house: it imports nothing of
+agl's, so every room may use it."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -41,3 +43,15 @@ def _make_preexec() -> Callable[[], None] | None:
             os._exit(1)
 
     return preexec
+
+
+def end_process(process: subprocess.Popen[bytes] | None) -> None:
+    """Terminate ``process`` if it runs, and kill it if it is not gone within 10 s."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)

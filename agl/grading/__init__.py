@@ -46,10 +46,10 @@ import httpx
 
 from agl.agent import AgentContext, event_id
 from agl.backends.execution.worker import one_line
+from agl.core.callables import load_callable
 from agl.core.client import AsyncGatewayClient
 from agl.core.contracts.failures import GRADE_NOT_POSTED, GRADER_RAISED
 from agl.core.contracts.records import EventIn
-from agl.core.run.tasks import load_callable
 
 log = logging.getLogger(__name__)
 

@@ -22,19 +22,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from agl.agent import (
+from agl.agent import ENV_REPORT_KEY, ENV_WORKSPACE, AgentContext, AgentEnvError, undumpable
+from agl.backends.execution.worker import one_line
+from agl.core.contracts.execution import (
     ENV_API_KEY,
     ENV_ATTEMPT,
     ENV_GATEWAY,
     ENV_INPUT,
-    ENV_REPORT_KEY,
     ENV_ROLLOUT,
-    ENV_WORKSPACE,
-    AgentContext,
-    AgentEnvError,
-    undumpable,
 )
-from agl.backends.execution.worker import one_line
 from agl.grading import GradeNotPosted, grade_attempt, load_grader
 
 ENV_GRADE_TIMEOUT = "AGL_GRADE_TIMEOUT_S"

@@ -37,7 +37,7 @@ from typing import IO
 import httpx
 
 from agl.core.client import AsyncGatewayClient, GatewayError
-from agl.core.run.errors import UserError
+from agl.core.user_error import UserError
 from agl.rollouts.export import cmd_export
 from agl.rollouts.ls import SORT_KEYS, cmd_ls
 from agl.rollouts.scan import cmd_scan

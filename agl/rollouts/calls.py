@@ -10,10 +10,11 @@ from typing import Any
 
 from agl.core.contracts.records import Event
 from agl.core.contracts.samples import ModelCall
-from agl.core.run.errors import UserError
-from agl.core.trainer.calls import dedup, read_calls
+from agl.core.trainer.calls import read_calls
 from agl.core.trainer.explain import Explanation, explain
+from agl.core.user_error import UserError
 from agl.rollouts.select import of_attempt
+from agl.strategies.dedup import dedup
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,8 @@ def explained(events: Sequence[Event], attempt: int, run: Any) -> Explained | st
 
 
 def load_run_folder(folder: str) -> Any:
-    """The run (``agl.core.run.folder`` loads torch and the tokenizer: only when asked)."""
-    from agl.core.run.folder import RunFolderError, load_run
+    """The run (``agl.core.run_folder`` loads torch and the tokenizer: only when asked)."""
+    from agl.core.run_folder import RunFolderError, load_run
 
     try:
         return load_run(folder)

@@ -10,7 +10,7 @@ from typing import IO
 
 from agl.core.client import AsyncGatewayClient
 from agl.core.contracts.records import Event, Rollout
-from agl.core.run.errors import UserError
+from agl.core.user_error import UserError
 from agl.rollouts.select import filters, matching
 
 

@@ -43,7 +43,7 @@ from typing import Any
 import openai
 
 from agl.core.contracts.records import Event, EventIn, Rollout
-from agl.core.run.errors import UserError
+from agl.core.user_error import UserError
 from agl.rollouts.select import fields, of_attempt
 from agl.rollouts.text import tool_call_text
 

@@ -20,7 +20,7 @@ from typing import IO, Any
 from agl.core.client import AsyncGatewayClient
 from agl.core.contracts.records import Event, Rollout
 from agl.core.contracts.samples import BreakReason
-from agl.core.run.errors import UserError
+from agl.core.user_error import UserError
 from agl.rollouts.calls import explained, load_run_folder
 from agl.rollouts.judge import HACK, Judge, sampled, transcript, verdict_event
 from agl.rollouts.select import fields, filters, matching, of_attempt, reward_of

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from agl.core.client import AsyncGatewayClient
 from agl.core.contracts.records import Event, Rollout, Status
-from agl.core.run.errors import UserError
+from agl.core.user_error import UserError
 
 T = TypeVar("T")
 

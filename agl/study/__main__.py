@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from agl.core.run.errors import UserError
+from agl.core.user_error import UserError
 from agl.study.report import build
 from agl.study.runner import RunResult, run_study
 from agl.study.spec import load_study

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agl.core.run.history import Run, load_run
+from agl.core.run_metrics import Run, load_run
 from agl.study import stats
 from agl.study.runner import is_done, run_folder
 from agl.study.spec import Baseline, Study

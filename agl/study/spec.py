@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from agl.core.run.errors import UserError
+from agl.core.user_error import UserError
 
 STUDIES = Path(__file__).resolve().parents[2] / "conf" / "study"
 _KEYS = frozenset({"settings", "seeds", "overrides", "config_name", "reference", "baselines"})

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from agl.core.run.services import free_port
+from agl.core.ports import free_port
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import QueryParams
 from starlette.responses import Response
 
+from agl.core.config_groups import make_advantage
 from agl.core.contracts.execution import AGENT_LOG_EVENT
 from agl.core.contracts.queries import (
     HISTORY_SINCE,
@@ -35,7 +36,6 @@ from agl.core.contracts.records import Event, Rollout, Status
 from agl.core.gateway.auth import Keyring, bearer
 from agl.core.gateway.query import INT64_MAX, INT64_MIN, whole_number
 from agl.core.gateway.store.base import Store
-from agl.core.run.build import make_advantage
 from agl.ui import session, views
 from agl.ui.agentlog import agent_log, recorded_logs
 from agl.ui.group import LEVELS, cards

@@ -21,7 +21,7 @@ def find_run_folder(run_dir: str, ui_run: str) -> Path | None:
 
 
 class RunFolder:
-    """The run, loaded on first use and kept: ``agl.core.run.folder`` builds a tokenizer, which the
+    """The run, loaded on first use and kept: ``agl.core.run_folder`` builds a tokenizer, which the
     gateway should neither import nor load unless someone opens the viewer."""
 
     def __init__(self, folder: Path | None) -> None:
@@ -32,11 +32,11 @@ class RunFolder:
         self._lock = threading.Lock()  # pages load it from worker threads
 
     def info(self) -> Any:
-        """The ``agl.core.run.folder.RunInfo``, or None (no folder, or one that does not load:
+        """The ``agl.core.run_folder.RunInfo``, or None (no folder, or one that does not load:
         ``problem`` says why)."""
         with self._lock:
             if not self._loaded and self.folder is not None:
-                from agl.core.run.folder import RunFolderError, load_run
+                from agl.core.run_folder import RunFolderError, load_run
 
                 try:
                     self._info = load_run(self.folder)

@@ -16,7 +16,8 @@ import orjson
 from agl.core.contracts.queries import Summary, Transition
 from agl.core.contracts.records import MODEL_REQUEST, MODEL_REQUEST_FAILED, Event, Rollout, Status
 from agl.core.contracts.samples import ModelCall
-from agl.core.trainer.calls import dedup, read_calls, shown_messages
+from agl.core.trainer.calls import read_calls, shown_messages
+from agl.strategies.dedup import dedup
 
 REWARD = "reward"
 

@@ -36,21 +36,16 @@ worker entry point (``run(env)``) or as ``python -m experiments.agentic.harness`
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import random
 import re
-import sys
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import httpx
 import openai
 
-from agl.agent import AgentContext, AgentEnvError
-from agl.backends.execution.worker import attempt_http
+from agl.agent.harness import Attempt, Outcome, run_command, run_episode
 from experiments.guess.harness import (
     FEEDBACK_IN_RANGE,
     REPEATED_GUESSES,
@@ -61,10 +56,6 @@ from experiments.guess.harness import (
     repeat_counts,
     share,
 )
-
-DEFAULT_MODEL = "policy"
-CALL_TIMEOUT_S = 300.0
-MAX_RETRIES = 5
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -391,40 +382,21 @@ def openai_ask(client: openai.AsyncOpenAI, model: str, game: Game) -> Ask:
 
 async def run(env: Mapping[str, str]) -> None:
     """Play the rollout's game through the proxy and report the reward."""
-    agent = AgentContext.from_env(env)
-    async with attempt_http(CALL_TIMEOUT_S) as http:
-        await _attempt(agent, http)
+    await run_episode(env, _episode)
 
 
-async def _attempt(agent: AgentContext, http: httpx.AsyncClient) -> None:
-    try:
-        game = Game.from_input(agent.input)
-        mechanisms = Mechanisms.from_input(agent.input)
-    except GameInputError as error:
-        await agent.finish(error=f"bad input: {error}", http=http)
-        return
-    client = openai.AsyncOpenAI(
-        base_url=agent.base_url,
-        api_key=agent.api_key,
-        http_client=http,
-        max_retries=MAX_RETRIES,
-        timeout=CALL_TIMEOUT_S,
-    )
-    ask = openai_ask(client, agent.model or DEFAULT_MODEL, game)
-    try:
-        episode = await play(game, mechanisms, ask, retry_rng(agent.rollout_id, agent.attempt))
-    except openai.APIStatusError as error:
-        await agent.finish(error=f"model call refused: {error}", http=http)
-        return
-    await agent.finish(reward=episode.reward, metrics=episode.metrics, http=http)
+async def _episode(attempt: Attempt) -> Outcome:
+    agent = attempt.agent
+    game = Game.from_input(agent.input)
+    mechanisms = Mechanisms.from_input(agent.input)
+    ask = openai_ask(attempt.client, attempt.model, game)
+    episode = await play(game, mechanisms, ask, retry_rng(agent.rollout_id, agent.attempt))
+    return Outcome(episode.reward, episode.metrics)
 
 
 def main() -> None:
     """``python -m experiments.agentic.harness``: one attempt, from ``os.environ``."""
-    try:
-        asyncio.run(run(os.environ))
-    except AgentEnvError as error:
-        sys.exit(f"experiments.agentic.harness: {error}")
+    run_command(run, "experiments.agentic.harness")
 
 
 if __name__ == "__main__":

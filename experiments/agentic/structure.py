@@ -23,8 +23,8 @@ from typing import Any
 
 from agl.backends.inference.models import load_model
 from agl.core.contracts.samples import ModelCall
-from agl.core.trainer.calls import dedup
-from agl.core.trainer.metrics import merge_metrics, unique_tokens
+from agl.strategies.dedup import dedup
+from agl.strategies.merge_metrics import merge_metrics, unique_tokens
 from agl.strategies.registry import get, names
 from experiments.agentic.baselines import TASK_CONFIG
 from experiments.agentic.harness import Game, Mechanisms
@@ -49,7 +49,7 @@ SETTINGS: tuple[tuple[str, Mechanisms], ...] = (
 
 
 @functools.cache
-def _tokenizer() -> Any:
+def tiny_tokenizer() -> Any:
     # Built once: load_model builds the whole tiny model around it.
     return load_model("tiny").tokenizer
 
@@ -67,7 +67,7 @@ def rollouts(
     mechanisms: Mechanisms, n: int, seed: int, dropout: float = 0.0, max_turns: int = 2
 ) -> list[list[ModelCall]]:
     """``n`` games of the random player (targets from the task's house weights), as calls."""
-    tokenizer = _tokenizer()
+    tokenizer = tiny_tokenizer()
     rng = random.Random(f"agentic-structure:{seed}")
     option = task_options(TASK_CONFIG).get("target_weights")
     weights = house_weights(1, 8, option if isinstance(option, list) else None)
@@ -91,7 +91,7 @@ def rollouts(
 
 
 def structure(calls: Sequence[list[ModelCall]], merge: str) -> Structure:
-    decode = _tokenizer().decode
+    decode = tiny_tokenizer().decode
     strategy = get("merge", merge)
     options = {"decode": decode} if merge == "stitch" else {}
     kept = [dedup(c) for c in calls]

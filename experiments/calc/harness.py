@@ -9,19 +9,13 @@ tool call and append its result; stop at a reply without tool calls (the answer)
 from __future__ import annotations
 
 import ast
-import asyncio
 import json
 import operator
-import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
-import httpx
-import openai
-
-from agl.agent import AgentContext
-from agl.backends.execution.worker import attempt_http
+from agl.agent.harness import Attempt, Outcome, run_command, run_episode
 
 SYSTEM = "Answer with the result. A calculator tool is available."
 TOOLS = [
@@ -79,28 +73,20 @@ def final_number(text: str | None) -> float | None:
 
 
 async def run(env: Mapping[str, str]) -> None:
-    agent = AgentContext.from_env(env)
-    async with attempt_http() as http:
-        await _attempt(agent, http)
+    # The OpenAI client's own defaults, not the agent SDK's.
+    await run_episode(env, _episode, timeout_s=600.0, max_retries=2)
 
 
-async def _attempt(agent: AgentContext, http: httpx.AsyncClient) -> None:
-    task = agent.input
-    client = openai.AsyncOpenAI(
-        base_url=agent.base_url,
-        api_key=agent.api_key,
-        http_client=http,
-        max_retries=2,
-        timeout=600.0,
-    )
+async def _episode(attempt: Attempt) -> Outcome:
+    task = attempt.agent.input
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": task["question"]},
     ]
     answer = None
     for _ in range(int(task.get("max_turns", 3))):
-        reply = await client.chat.completions.create(
-            model=agent.model or "policy",
+        reply = await attempt.client.chat.completions.create(
+            model=attempt.model,
             messages=messages,
             tools=TOOLS,
             temperature=float(task.get("temperature", 1.0)),
@@ -119,12 +105,11 @@ async def _attempt(agent: AgentContext, http: httpx.AsyncClient) -> None:
             messages.append(
                 {"role": "tool", "tool_call_id": call.id, "content": calculate(str(expression))}
             )
-    reward = 1.0 if answer is not None and abs(answer - task["answer"]) < 1e-6 else 0.0
-    await agent.finish(reward=reward, http=http)
+    return Outcome(1.0 if answer is not None and abs(answer - task["answer"]) < 1e-6 else 0.0)
 
 
 def main() -> None:
-    asyncio.run(run(os.environ))
+    run_command(run, "experiments.calc.harness")
 
 
 if __name__ == "__main__":

@@ -39,8 +39,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
-import sys
 import tempfile
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -48,11 +46,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
 import openai
 
-from agl.agent import AgentContext, AgentEnvError
-from agl.backends.execution.worker import attempt_http
+from agl.agent.harness import Attempt, AttemptFailed, Outcome, run_command, run_episode
 from experiments.general.sandbox import (
     INPUT,
     OUTPUT,
@@ -66,9 +62,6 @@ from experiments.search.answers import REWARDS, exact_match, f1_score, reward_of
 from experiments.search.harness import Question, SearchInputError
 from experiments.swe.sandbox import ROOT, SandboxUnavailable
 
-DEFAULT_MODEL = "policy"
-CALL_TIMEOUT_S = 300.0
-MAX_RETRIES = 5
 ANSWER_FILE = f"{OUTPUT}/answer.txt"
 ANSWER_CHARS = 1000  # of the answer file read for the reward
 MAX_INPUT_CHARS = 16 << 20  # of a record's own input files
@@ -426,9 +419,7 @@ def hidden_from_sandbox(root: Path) -> tuple[Path, ...]:
 
 async def run(env: Mapping[str, str]) -> None:
     """Answer the rollout's question in a sandbox of its own and report the reward."""
-    agent = AgentContext.from_env(env)
-    async with attempt_http(CALL_TIMEOUT_S) as http:
-        await _attempt(agent, http)
+    await run_episode(env, _episode)
 
 
 def input_files(data: Mapping[str, Any]) -> dict[str, str] | None:
@@ -452,22 +443,12 @@ def input_files(data: Mapping[str, Any]) -> dict[str, str] | None:
     return dict(files)
 
 
-async def _attempt(agent: AgentContext, http: httpx.AsyncClient) -> None:
-    try:
-        question = Question.from_input(agent.input)
-        options = Options.from_input(agent.input)
-        texts = input_files(agent.input)
-    except SearchInputError as error:
-        await agent.finish(error=f"bad input: {error}", http=http)
-        return
-    client = openai.AsyncOpenAI(
-        base_url=agent.base_url,
-        api_key=agent.api_key,
-        http_client=http,
-        max_retries=MAX_RETRIES,
-        timeout=CALL_TIMEOUT_S,
-    )
-    ask = openai_ask(client, agent.model or DEFAULT_MODEL, options)
+async def _episode(attempt: Attempt) -> Outcome:
+    agent = attempt.agent
+    question = Question.from_input(agent.input)
+    options = Options.from_input(agent.input)
+    texts = input_files(agent.input)
+    ask = openai_ask(attempt.client, attempt.model, options)
     root = workspaces_root(options)
     name = f"{agent.rollout_id}.{agent.attempt}.{uuid.uuid4().hex[:8]}"
     try:
@@ -476,20 +457,13 @@ async def _attempt(agent: AgentContext, http: httpx.AsyncClient) -> None:
         async with await Sandbox.open(workspace, hidden_from_sandbox(root)) as sandbox:
             episode = await play(question, options, ask, sandbox, sorted(files))
     except (SandboxError, SandboxUnavailable, OSError) as error:
-        await agent.finish(error=f"sandbox: {error}", http=http)
-        return
-    except openai.APIStatusError as error:
-        await agent.finish(error=f"model call refused: {error}", http=http)
-        return
-    await agent.finish(reward=episode.reward, metrics=episode.metrics, http=http)
+        raise AttemptFailed(f"sandbox: {error}") from error
+    return Outcome(episode.reward, episode.metrics)
 
 
 def main() -> None:
     """``python -m experiments.general.harness``: one attempt, from ``os.environ``."""
-    try:
-        asyncio.run(run(os.environ))
-    except AgentEnvError as error:
-        sys.exit(f"experiments.general.harness: {error}")
+    run_command(run, "experiments.general.harness")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import argparse
 import random
 
 from agl.core.contracts.samples import ModelCall
-from experiments.agentic.structure import COLUMNS, _tokenizer, merge_rows, text_table
+from experiments.agentic.structure import COLUMNS, merge_rows, text_table, tiny_tokenizer
 from experiments.agentic.warmup import encode_reply
 from experiments.general.harness import Options
 from experiments.general.tables import table_lines
@@ -37,7 +37,7 @@ CONDENSE_CHARS = 30
 
 def rollouts(condense_chars: int, n: int, seed: int) -> list[list[ModelCall]]:
     """``n`` training questions read and answered by the scripted player, as calls."""
-    tokenizer = _tokenizer()
+    tokenizer = tiny_tokenizer()
     segment = DropoutBPE(tokenizer, 0.0, random.Random(0))
     options = Options(tools=TOOLS, prompt="short", max_turns=6, condense_chars=condense_chars)
     tables = table_lines(world())

@@ -12,36 +12,22 @@ Like any real harness it appends each reply to the history as the *text* it rece
 the next prompt is a retokenization of that text: the natural drift agl studies.
 
 It runs as a worker entry point (``run(env)``, ``module:function``) or as a command
-(``python -m experiments.guess.harness`` with the attempt's environment). Throughput
-matters (tens of rollouts/s on 2 cores), so all attempts of a worker process share its
-HTTP pool (a new one costs ~80 ms of CPU: it loads the CA store); outside a worker an
-attempt makes its own.
+(``python -m experiments.guess.harness`` with the attempt's environment).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import os
 import random
 import re
-import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import openai
 
-from agl.agent import AgentContext, AgentEnvError
-from agl.backends.execution.worker import attempt_http
-
-# With one model registered the gateway routes any name to it; AGL_MODEL wins when set.
-DEFAULT_MODEL = "policy"
-# A call can wait at the gateway's admission gate for a whole training step.
-CALL_TIMEOUT_S = 300.0
-# The openai client's backoff (0.5 s doubling): 5 retries ride out a gateway restart.
-MAX_RETRIES = 5
+from agl.agent.harness import Attempt, BadInput, Outcome, run_command, run_episode
 
 HIGHER = "higher"
 LOWER = "lower"
@@ -57,7 +43,7 @@ Ask = Callable[[list[Message]], Awaitable[str]]
 # ------------------------------------------------------------------------------ the game
 
 
-class GameInputError(ValueError):
+class GameInputError(BadInput):
     """The rollout's input does not describe a game."""
 
 
@@ -268,39 +254,18 @@ def openai_ask(client: openai.AsyncOpenAI, model: str, game: Game) -> Ask:
 
 async def run(env: Mapping[str, str]) -> None:
     """Play the rollout's game through the proxy and report the reward."""
-    agent = AgentContext.from_env(env)
-    async with attempt_http(CALL_TIMEOUT_S) as http:
-        await _attempt(agent, http)
+    await run_episode(env, _episode)
 
 
-async def _attempt(agent: AgentContext, http: httpx.AsyncClient) -> None:
-    try:
-        game = Game.from_input(agent.input)
-    except GameInputError as error:
-        await agent.finish(error=f"bad input: {error}", http=http)
-        return
-    # Never closed: closing an OpenAI client closes the pool under it, which is not its own.
-    client = openai.AsyncOpenAI(
-        base_url=agent.base_url,
-        api_key=agent.api_key,
-        http_client=http,
-        max_retries=MAX_RETRIES,
-        timeout=CALL_TIMEOUT_S,
-    )
-    try:
-        episode = await play(game, openai_ask(client, agent.model or DEFAULT_MODEL, game))
-    except openai.APIStatusError as error:
-        await agent.finish(error=f"model call refused: {error}", http=http)
-        return
-    await agent.finish(reward=episode.reward, metrics=episode.metrics, http=http)
+async def _episode(attempt: Attempt) -> Outcome:
+    game = Game.from_input(attempt.agent.input)
+    episode = await play(game, openai_ask(attempt.client, attempt.model, game))
+    return Outcome(episode.reward, episode.metrics)
 
 
 def main() -> None:
     """``python -m experiments.guess.harness``: one attempt, from ``os.environ``."""
-    try:
-        asyncio.run(run(os.environ))
-    except AgentEnvError as error:
-        sys.exit(f"experiments.guess.harness: {error}")
+    run_command(run, "experiments.guess.harness")
 
 
 if __name__ == "__main__":

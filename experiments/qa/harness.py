@@ -11,17 +11,11 @@ knob: ``system``, ``max_turns``, ``temperature``, ``max_tokens``.
 
 from __future__ import annotations
 
-import asyncio
-import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
-import httpx
-import openai
-
-from agl.agent import AgentContext
-from agl.backends.execution.worker import attempt_http
+from agl.agent.harness import Attempt, Outcome, run_command, run_episode
 
 RETRY = "That is not right. Try again."
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -53,23 +47,19 @@ def is_correct(reply: str | None, answer: object) -> bool:
 
 
 async def run(env: Mapping[str, str]) -> None:
-    agent = AgentContext.from_env(env)
-    async with attempt_http() as http:
-        await _attempt(agent, http)
+    # The OpenAI client's own defaults, not the agent SDK's.
+    await run_episode(env, _episode, timeout_s=600.0, max_retries=2)
 
 
-async def _attempt(agent: AgentContext, http: httpx.AsyncClient) -> None:
-    row = agent.input
-    client = openai.AsyncOpenAI(
-        base_url=agent.base_url, api_key=agent.api_key, http_client=http, max_retries=2
-    )
+async def _episode(attempt: Attempt) -> Outcome:
+    row = attempt.agent.input
     messages = messages_of(row["prompt"], row.get("system"))
     correct = False
     for turn in range(int(row.get("max_turns", 1))):
         if turn:
             messages.append({"role": "user", "content": RETRY})
-        reply = await client.chat.completions.create(
-            model=agent.model or "policy",
+        reply = await attempt.client.chat.completions.create(
+            model=attempt.model,
             messages=messages,
             temperature=float(row.get("temperature", 1.0)),
             max_tokens=int(row.get("max_tokens", 64)),
@@ -79,11 +69,11 @@ async def _attempt(agent: AgentContext, http: httpx.AsyncClient) -> None:
         correct = is_correct(content, row["answer"])
         if correct:
             break
-    await agent.finish(reward=1.0 if correct else 0.0, http=http)
+    return Outcome(1.0 if correct else 0.0)
 
 
 def main() -> None:
-    asyncio.run(run(os.environ))
+    run_command(run, "experiments.qa.harness")
 
 
 if __name__ == "__main__":

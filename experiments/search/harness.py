@@ -29,10 +29,7 @@ Input keys: ``question``, ``answers`` (a list of strings, or one string), and th
 
 from __future__ import annotations
 
-import asyncio
-import os
 import re
-import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -40,13 +37,8 @@ from typing import Any
 import httpx
 import openai
 
-from agl.agent import AgentContext, AgentEnvError
-from agl.backends.execution.worker import attempt_http
+from agl.agent.harness import Attempt, AttemptFailed, BadInput, Outcome, run_command, run_episode
 from experiments.search.answers import REWARDS, exact_match, f1_score, reward_of
-
-DEFAULT_MODEL = "policy"
-CALL_TIMEOUT_S = 300.0
-MAX_RETRIES = 5
 
 SEARCH_END = "</search>"
 ANSWER_END = "</answer>"
@@ -84,7 +76,7 @@ Ask = Callable[[list[Message], int], Awaitable[tuple[str, str | None]]]
 Retrieve = Callable[[str, int], Awaitable[list[Hit]]]
 
 
-class SearchInputError(ValueError):
+class SearchInputError(BadInput):
     pass
 
 
@@ -285,46 +277,27 @@ def http_retrieve(http: httpx.AsyncClient, url: str) -> Retrieve:
 
 async def run(env: Mapping[str, str]) -> None:
     """Answer the rollout's question through the proxy and report the reward."""
-    agent = AgentContext.from_env(env)
-    async with attempt_http(CALL_TIMEOUT_S) as http:
-        await _attempt(agent, http)
+    await run_episode(env, _episode)
 
 
-async def _attempt(agent: AgentContext, http: httpx.AsyncClient) -> None:
+async def _episode(attempt: Attempt) -> Outcome:
+    data = attempt.agent.input
+    question = Question.from_input(data)
+    options = Options.from_input(data)
+    url = data.get("retriever_url")
+    if not isinstance(url, str) or not url:
+        raise SearchInputError("no retriever_url: start the task's retriever (task.services)")
+    ask = openai_ask(attempt.client, attempt.model, options)
     try:
-        question = Question.from_input(agent.input)
-        options = Options.from_input(agent.input)
-        url = agent.input.get("retriever_url")
-        if not isinstance(url, str) or not url:
-            raise SearchInputError("no retriever_url: start the task's retriever (task.services)")
-    except SearchInputError as error:
-        await agent.finish(error=f"bad input: {error}", http=http)
-        return
-    client = openai.AsyncOpenAI(
-        base_url=agent.base_url,
-        api_key=agent.api_key,
-        http_client=http,
-        max_retries=MAX_RETRIES,
-        timeout=CALL_TIMEOUT_S,
-    )
-    ask = openai_ask(client, agent.model or DEFAULT_MODEL, options)
-    try:
-        episode = await play(question, options, ask, http_retrieve(http, url))
-    except openai.APIStatusError as error:
-        await agent.finish(error=f"model call refused: {error}", http=http)
-        return
+        episode = await play(question, options, ask, http_retrieve(attempt.http, url))
     except httpx.HTTPError as error:
-        await agent.finish(error=f"retriever at {url}: {error}", http=http)
-        return
-    await agent.finish(reward=episode.reward, metrics=episode.metrics, http=http)
+        raise AttemptFailed(f"retriever at {url}: {error}") from error
+    return Outcome(episode.reward, episode.metrics)
 
 
 def main() -> None:
     """``python -m experiments.search.harness``: one attempt, from ``os.environ``."""
-    try:
-        asyncio.run(run(os.environ))
-    except AgentEnvError as error:
-        sys.exit(f"experiments.search.harness: {error}")
+    run_command(run, "experiments.search.harness")
 
 
 if __name__ == "__main__":

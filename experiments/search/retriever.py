@@ -166,7 +166,7 @@ def build_index(config: RetrieverConfig) -> Searchable:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from agl.core.run.cli import parse_or_exit
+    from agl.core.command_line import parse_or_exit
 
     config = parse_or_exit(
         RetrieverConfig, sys.argv[1:] if argv is None else argv, "experiments.search.retriever"

@@ -20,7 +20,7 @@ import argparse
 import random
 
 from agl.core.contracts.samples import ModelCall
-from experiments.agentic.structure import COLUMNS, _tokenizer, merge_rows, text_table
+from experiments.agentic.structure import COLUMNS, merge_rows, text_table, tiny_tokenizer
 from experiments.agentic.warmup import encode_reply, prompt_ids
 from experiments.guess.warmup import DropoutBPE
 from experiments.search.facts import train_inputs
@@ -35,7 +35,7 @@ def rollouts(
     history: str, n: int, seed: int, dropout: float, index: Index, topk: int = 1
 ) -> list[list[ModelCall]]:
     """``n`` searched questions (a third two-hop: three calls), as calls."""
-    tokenizer = _tokenizer()
+    tokenizer = tiny_tokenizer()
     segment = DropoutBPE(tokenizer, dropout, random.Random(f"search-structure-bpe:{seed}"))
     options = Options(topk=topk, history=history, prompt="short")
     out = []

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agl.core.contracts.records import Event, Rollout, Status
-from agl.core.run.errors import UserError
+from agl.core.user_error import UserError
 from agl.rollouts.judge import HACK, Judge, transcript
 from agl.rollouts.scan import DEFAULT_PATTERNS, command_rule, refused
 from experiments.swe.rules import RULES as SWE_RULES

@@ -32,8 +32,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agl.agent import ENV_WORKSPACE, AgentContext
-from agl.backends.execution.local.commands import WORKSPACES
+from agl.agent import ENV_WORKSPACE, WORKSPACES, AgentContext
+from agl.agent.harness import DEFAULT_MODEL
 from agl.sandbox.uids import give, lease
 from experiments.swe import mirror
 from experiments.swe.environment import SANDBOX_LIMIT
@@ -74,7 +74,7 @@ def attempt_config(
     return {
         "agent": agent_part,
         "environment": environment,
-        "model": {"model_name": f"openai/{agent.model or 'policy'}", "model_kwargs": kwargs},
+        "model": {"model_name": f"openai/{agent.model or DEFAULT_MODEL}", "model_kwargs": kwargs},
     }
 
 

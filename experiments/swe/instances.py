@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agl.core.run.datasets import DatasetError, read_rows
+from agl.core.datasets import DatasetError, read_rows
 
 _REQUIRED = ("instance_id", "repo", "FAIL_TO_PASS", "PASS_TO_PASS")
 _KNOWN = (

@@ -42,7 +42,7 @@ from queue import Queue
 
 from tqdm import tqdm
 
-from agl.core.run.errors import UserError
+from agl.core.user_error import UserError
 from agl.sandbox.uids import lease
 from experiments.swe import mirror
 from experiments.swe.filters import Removed

@@ -23,7 +23,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from agl.core.run.errors import UserError
+from agl.core.user_error import UserError
 from experiments.swe.projects import Project
 
 BASE = "base"

@@ -32,8 +32,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from agl.core.run.datasets import DatasetError
-from agl.core.run.errors import UserError
+from agl.core.datasets import DatasetError
+from agl.core.user_error import UserError
 from experiments.swe import filters, mirror, selection
 from experiments.swe.filters import Removed
 from experiments.swe.instances import Instance, read_instances, write_instances

@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from agl.core.run.build import CONF
-from agl.core.run.errors import UserError
+from agl.core.repository import CONF
+from agl.core.user_error import UserError
 
 PROJECTS = CONF / "swe" / "projects.yaml"
 

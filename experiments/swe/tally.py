@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from agl.core.run.errors import UserError
+from agl.core.user_error import UserError
 
 
 def _reward(events: Sequence[dict[str, Any]], attempt: int) -> float | None:

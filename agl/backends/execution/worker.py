@@ -20,13 +20,8 @@ in the log and can never corrupt the protocol:
   reply's ``error`` says it was stopped (``ORPHANED``);
 - EOF on the parent's pipe: the worker cancels what runs and exits 0.
 
-Harnesses share the worker's HTTP pool: :func:`shared_http` answers it (None outside a
-worker). A new ``httpx.AsyncClient`` costs ~80 ms of CPU (it loads the CA store), more
-than a whole trivial rollout, so pass it on::
-
-    async def run(env: Mapping[str, str]) -> None:
-        agent = AgentContext.from_env(env)
-        await agent.finish(reward=1.0, http=shared_http())
+The worker makes one HTTP pool that all its attempts share (``agl.agent.sharing_http``;
+a harness gets it from ``agl.agent.shared_http``).
 
 A harness reads its variables from ``env``, not ``os.environ``: attempts share the
 process. It must not block the loop (run blocking work with ``asyncio.to_thread``).
@@ -44,41 +39,21 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import httpx
 import orjson
 
-from agl.agent import ENV_ATTEMPT, ENV_ROLLOUT, holding_report_key, undumpable
-from agl.core.client import fast_http_client
-from agl.core.contracts.execution import ORPHANED
+from agl.agent import holding_report_key, sharing_http, undumpable
+from agl.core.contracts.execution import ENV_ATTEMPT, ENV_ROLLOUT, ORPHANED
 
 log = logging.getLogger(__name__)
 
 Harness = Callable[[Mapping[str, str]], Awaitable[object]]
 
-_HTTP: httpx.AsyncClient | None = None
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 READ_LIMIT = 1 << 26  # one launch line may carry a large input
-
-
-def shared_http() -> httpx.AsyncClient | None:
-    """The worker's HTTP connection pool, for harnesses to pass as ``http=`` (or to an
-    OpenAI client as ``http_client=``); None outside a worker process. Never close it."""
-    return _HTTP
-
-
-@contextlib.asynccontextmanager
-async def attempt_http(timeout_s: float = 600.0) -> AsyncIterator[httpx.AsyncClient]:
-    """The pool an attempt's calls go through: the worker's own in a worker process,
-    else (the command form, a test) one for this attempt alone, closed after it."""
-    if _HTTP is not None:
-        yield _HTTP
-        return
-    async with fast_http_client(8, timeout_s) as own:
-        yield own
 
 
 def split_harness(spec: str) -> tuple[str, str]:
@@ -214,7 +189,6 @@ class _Worker:
 
 
 async def _main(spec: str, concurrency: int, fd_in: int, fd_out: int) -> int:
-    global _HTTP
     loop = asyncio.get_running_loop()
     out, _ = await loop.connect_write_pipe(asyncio.BaseProtocol, os.fdopen(fd_out, "wb", 0))
     reader = asyncio.StreamReader(limit=READ_LIMIT)
@@ -228,15 +202,11 @@ async def _main(spec: str, concurrency: int, fd_in: int, fd_out: int) -> int:
         log.error("%s", error)
         return 2
     # Made before "ready" so the first attempts do not pay for it.
-    _HTTP = fast_http_client(concurrency)
-    worker = _Worker(harness, out)
-    worker.send({"ready": True, "pid": os.getpid()})
-    log.info("worker %d ready: harness %s, up to %d attempts", os.getpid(), spec, concurrency)
-    try:
+    async with sharing_http(concurrency):
+        worker = _Worker(harness, out)
+        worker.send({"ready": True, "pid": os.getpid()})
+        log.info("worker %d ready: harness %s, up to %d attempts", os.getpid(), spec, concurrency)
         await worker.serve(reader)
-    finally:
-        await _HTTP.aclose()
-        _HTTP = None
     return 0
 
 
@@ -269,8 +239,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # Run main() of the module imported under its real name, not of ``__main__``: the
-    # harnesses' ``shared_http()`` reads that module's pool.
-    from agl.backends.execution.worker import main as _real_main
-
-    _real_main()
+    main()

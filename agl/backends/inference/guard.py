@@ -70,7 +70,7 @@ def refusal(scope: Scope, key_digest: bytes) -> str | None:
 
 def error_body(message: str) -> bytes:
     """A 401 in OpenAI's ``ErrorResponse`` shape, the embedded server's one error shape
-    (``agl.core.gateway.errors``), which the ``openai`` client reads."""
+    (``agl.core.http_errors``), which the ``openai`` client reads."""
     error = {"message": message, "type": "authentication_error", "param": None, "code": None}
     return json.dumps({"error": error}).encode()
 

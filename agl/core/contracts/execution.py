@@ -1,18 +1,68 @@
 """How a rollout attempt is executed, as the rollout controller sees it: the
 ``Executor`` protocol (local processes, Kubernetes Jobs implement it in
-``agl/backends/execution``), what it is told (``Launch``) and answers (``Exit``), and the
-outcome texts the controller writes.
+``agl/backends/execution``), what it is told (``Launch``, with the agent's environment:
+``AgentEnv``) and answers (``Exit``), and the outcome texts the controller writes.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 NO_STATUS = "agent exited without reporting a status"
 STOPPED = "controller stopped"
 ORPHANED = "stopped by the controller: its rollout is no longer running at this attempt"
 LOST = "no execution found for this running attempt (lost while no controller watched it)"
+
+
+# The variables an attempt's agent is started with (``AgentEnv.to_env``): the OpenAI SDK
+# reads the first two itself.
+ENV_BASE_URL = "OPENAI_BASE_URL"
+ENV_API_KEY = "OPENAI_API_KEY"
+ENV_MODEL = "AGL_MODEL"
+ENV_GATEWAY = "AGL_GATEWAY_URL"
+ENV_ROLLOUT = "AGL_ROLLOUT_ID"
+ENV_ATTEMPT = "AGL_ATTEMPT"
+ENV_MODE = "AGL_MODE"
+ENV_INPUT = "AGL_INPUT"
+# An attempt's OpenAI base URL below the gateway's: its recording proxy.
+PROXY_BASE_PATH = "/proxy/rollout/{rollout_id}/attempt/{attempt}/mode/{mode}/openai/v1"
+
+
+@dataclass(frozen=True)
+class AgentEnv:
+    """What an attempt's agent is told: the controller makes one per launch (its
+    ``to_env()`` is ``Launch.env``) and ``agl.agent.AgentContext`` reads it back. The
+    report key is never part of it."""
+
+    gateway_url: str
+    rollout_id: str
+    attempt: int
+    mode: str
+    model: str
+    api_key: str  # the model key
+    input: Any
+
+    @property
+    def base_url(self) -> str:
+        """The attempt's OpenAI base URL (the gateway's recording proxy)."""
+        path = PROXY_BASE_PATH.format(
+            rollout_id=self.rollout_id, attempt=self.attempt, mode=self.mode
+        )
+        return self.gateway_url.rstrip("/") + path
+
+    def to_env(self) -> dict[str, str]:
+        return {
+            ENV_BASE_URL: self.base_url,
+            ENV_API_KEY: self.api_key,
+            ENV_MODEL: self.model,
+            ENV_GATEWAY: self.gateway_url,
+            ENV_ROLLOUT: self.rollout_id,
+            ENV_ATTEMPT: str(self.attempt),
+            ENV_MODE: self.mode,
+            ENV_INPUT: json.dumps(self.input),
+        }
 
 
 @dataclass(frozen=True)
@@ -22,7 +72,7 @@ class Launch:
     rollout_id: str
     attempt: int
     timeout_s: float | None
-    env: dict[str, str]  # AgentContext(...).to_env(): proxy base URL, model key, input, ...
+    env: dict[str, str]  # AgentEnv(...).to_env(): proxy base URL, model key, input, ...
     # Never in ``env``: the executor hands it to the harness wrapper alone (agl/agent.py).
     report_key: str = ""
 

@@ -47,7 +47,6 @@ from dataclasses import dataclass
 
 import httpx
 
-from agl.agent import AgentContext
 from agl.core.client import AsyncGatewayClient, GatewayError
 from agl.core.contracts.execution import (
     AGENT_LOG_EVENT,
@@ -55,6 +54,7 @@ from agl.core.contracts.execution import (
     LOST,
     NO_STATUS,
     STOPPED,
+    AgentEnv,
     Executor,
     Exit,
     Key,
@@ -314,7 +314,7 @@ class Controller:
             log.error("no attempt key for %s: the controller needs the admin token", rollout_id)
             self._unsettled.append(Exit(rollout_id, attempt, "no attempt key (not admin)"))
             return
-        context = AgentContext(
+        agent = AgentEnv(
             gateway_url=self.gateway_url,
             rollout_id=rollout_id,
             attempt=attempt,
@@ -324,7 +324,7 @@ class Controller:
             input=rollout.input,
         )
         launch = Launch(
-            rollout_id, attempt, rollout.timeout_s, context.to_env(), rollout.report_key or ""
+            rollout_id, attempt, rollout.timeout_s, agent.to_env(), rollout.report_key or ""
         )
         try:
             await self.executor.launch(launch)

@@ -25,7 +25,6 @@ from agl.core.gateway.asgi import INTERNAL_ERROR, BodyLimit, FastLane
 from agl.core.gateway.auth import Keyring
 from agl.core.gateway.config import GatewayConfig
 from agl.core.gateway.connections import BodyTimeout, RefusalDelay
-from agl.core.gateway.errors import ApiError, error_response
 from agl.core.gateway.openapi import OpenApiExtras
 from agl.core.gateway.proxy import RecordingProxy
 from agl.core.gateway.ratelimit import AttemptRateLimit
@@ -35,6 +34,7 @@ from agl.core.gateway.service import ADMISSION_META, Gateway
 from agl.core.gateway.store import open_store
 from agl.core.gateway.upstream import RetryPolicy, Upstream
 from agl.core.gateway.wire import describe
+from agl.core.http_errors import ApiError, error_response
 from agl.ui.session import Sessions
 
 # What Starlette's own refusals (no such route, a method the route lacks) say.

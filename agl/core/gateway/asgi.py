@@ -11,8 +11,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from agl.core.gateway.errors import ApiError, error_response
 from agl.core.gateway.paths import COMPLETIONS_TAIL, DIALECTS, EVENTS_PATH, PROXY_CALL
+from agl.core.http_errors import ApiError, error_response
 
 if TYPE_CHECKING:
     from agl.core.gateway.service import Gateway

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agl.core.gateway.upstream import load_key
-from agl.core.run.cli import check_port
+from agl.core.ports import check_port
 
 MIN_SECRET_CHARS = 16
 

@@ -34,7 +34,7 @@ from asyncio import TimerHandle, Transport
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from agl.core.gateway.errors import ApiError, error_response
+from agl.core.http_errors import ApiError, error_response
 
 # After a stall of the event loop, bytes that came in time may still be unread when a
 # deadline fires (uvloop runs its timers before it polls the sockets): one more short

@@ -37,6 +37,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from agl.core.contracts.call_validity import invalid_reason
 from agl.core.contracts.records import (
     MODEL_REQUEST,
     MODEL_REQUEST_FAILED,
@@ -59,11 +60,10 @@ from agl.core.contracts.text_rule import (
 )
 from agl.core.gateway.admission import AdmissionGate, Ticket
 from agl.core.gateway.dialects import ANTHROPIC, Dialect, DialectError, StreamTranslator
-from agl.core.gateway.errors import ApiError, json_error, upstream_error
 from agl.core.gateway.seeding import RequestSeeds
 from agl.core.gateway.store.base import PendingAnswer, Store
 from agl.core.gateway.upstream import Upstream, UpstreamUnavailable
-from agl.core.trainer.calls import invalid_reason
+from agl.core.http_errors import ApiError, json_error, upstream_error
 
 log = logging.getLogger(__name__)
 

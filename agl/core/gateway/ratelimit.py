@@ -7,7 +7,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from agl.core.gateway.errors import ApiError
+from agl.core.http_errors import ApiError
 
 
 class AttemptRateLimit:

@@ -26,7 +26,6 @@ from agl.core.contracts.queries import (
 from agl.core.contracts.records import TERMINAL, Admission, Mode, Status
 from agl.core.gateway.admission import AdmissionGate
 from agl.core.gateway.dialects import ANTHROPIC, RESPONSES
-from agl.core.gateway.errors import ApiError
 from agl.core.gateway.openapi import OpenApiExtras
 from agl.core.gateway.paths import (
     EVENTS,
@@ -48,6 +47,7 @@ from agl.core.gateway.wire import (
     json_response,
     parse,
 )
+from agl.core.http_errors import ApiError
 
 MAX_PAGE = 1000
 MAX_EVENT_PAGE = 10_000

@@ -17,12 +17,12 @@ from agl.core.contracts.records import Rollout, Status, StatusPatch
 from agl.core.gateway.auth import Keyring, Principal, bearer
 from agl.core.gateway.config import GatewayConfig
 from agl.core.gateway.dialects import ANTHROPIC, Dialect
-from agl.core.gateway.errors import ApiError
 from agl.core.gateway.proxy import PROXY_EVENT_TYPES, RecordingProxy, dialect_error
 from agl.core.gateway.ratelimit import AttemptRateLimit, RateLimited
 from agl.core.gateway.store.base import NotFound, Store
 from agl.core.gateway.store.lifecycle import IllegalTransition
 from agl.core.gateway.wire import json_response, parse_events
+from agl.core.http_errors import ApiError
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pydantic_core import from_json
 from starlette.responses import Response
 
 from agl.core.contracts.records import AdmissionIn, EventIn, ModelEndpoint, RolloutSpec, StatusPatch
-from agl.core.gateway.errors import ApiError
+from agl.core.http_errors import ApiError
 
 SPECS = TypeAdapter(list[RolloutSpec])
 PATCH = TypeAdapter(StatusPatch)

@@ -1,40 +1,33 @@
-"""What a run is made of, built from its composed config: the merge and advantage
-strategies, the model, the training backend and policy, the inference service and the
-executor. ``agl.train`` runs them; the viewer and ``agl.rollouts`` rebuild a finished
-run's strategies with the same functions, so what they explain is what was trained.
+"""What a run is made of, built from its composed config: the training backend and policy,
+the inference service and the executor. ``agl.train`` runs them. The merge and advantage
+strategies and the model come from ``agl.core.config_groups``, which the tools that read
+a finished run use too, so what they explain is what was trained.
 
 Every function raises :class:`UserError` (one line) for a config it cannot honour.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import importlib.util
 import secrets
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agl.core.run.errors import UserError
+from agl.core.config_groups import group_options
+from agl.core.repository import ROOT
+from agl.core.user_error import UserError
 
 if TYPE_CHECKING:
     from agl.backends.inference.models import LoadedModel
     from agl.backends.inference.service import InferenceService
     from agl.core.contracts.execution import Executor
-    from agl.core.contracts.strategies import Advantage
     from agl.core.contracts.training import Policy
-    from agl.core.trainer.assemble import MergeStrategy
-    from agl.core.trainer.calls import TokenText
-
-ROOT = Path(__file__).resolve().parents[3]
-CONF = ROOT / "conf"
 
 
 def backend_config(group: dict[str, Any], steps: int) -> Any:
     """The training backend's config from ``backend=...`` for a run of ``steps``
     (TypeError, ValueError)."""
-    options = _options(group)
+    options = group_options(group)
     options["total_training_steps"] = steps  # the lr schedule's length, as verl's trainer
     options["betas"] = tuple(options.get("betas", (0.9, 0.999)))
     if group["name"] == "torch":
@@ -111,7 +104,7 @@ def inference_service(
 ) -> InferenceService:
     """The inference engine ``inference=...`` names, serving ``loaded`` (not yet started)
     to the holders of ``api_key`` only (``inference_key``)."""
-    settings = {k: v for k, v in _options(options).items() if k != "key_file"}
+    settings = {k: v for k, v in group_options(options).items() if k != "key_file"}
     max_context = cfg.model.get("max_context") or loaded.max_context
     try:
         if options["name"] == "embedded":
@@ -161,7 +154,7 @@ def executor_for(
 
     settings = {
         k: v
-        for k, v in _options(options).items()
+        for k, v in group_options(options).items()
         if k not in ("poll_s", "reconcile_s", "agent_gateway_url")
     }
     try:
@@ -177,65 +170,3 @@ def executor_for(
         )
     except ValueError as error:
         raise UserError(f"controller={options['name']}: {error}") from None
-
-
-def make_merge(
-    group: dict[str, Any], decode: Callable[[Sequence[int]], str] | None = None
-) -> MergeStrategy:
-    """The merge strategy of a resolved ``merge`` config group, with its options;
-    ``decode`` goes to the strategies that compare texts (stitch). ``agl.core.run.folder`` builds a
-    finished run's strategy with this too, so what it explains is what was trained."""
-    from agl.core.trainer.assemble import MergeStrategy
-    from agl.strategies.registry import get
-
-    return MergeStrategy(get("merge", group["name"]), _options(group), decode=decode)
-
-
-def make_advantage(group: dict[str, Any]) -> Advantage:
-    """The advantage function of a resolved ``advantage`` config group, its options bound."""
-    from agl.strategies.registry import get
-
-    return functools.partial(get("advantage", group["name"]), **_options(group))
-
-
-def load_configured_model(group: dict[str, Any]) -> LoadedModel:
-    """The model of a resolved ``model`` config group (ValueError, ModelUnavailable)."""
-    from agl.backends.inference.models import load_model
-    from agl.backends.inference.pretrained import PretrainedOptions
-    from agl.backends.inference.server.tools import tool_parser
-
-    pretrained = None
-    if group["name"] == "hf":
-        keys = {f.name for f in dataclasses.fields(PretrainedOptions)}
-        pretrained = PretrainedOptions(**{k: v for k, v in group.items() if k in keys})
-    parser = group.get("tool_parser", "hermes")
-    tool_parser(parser)  # an unknown name is refused before anything loads
-    cache_dir = group.get("cache_dir")
-    loaded = load_model(
-        group["name"],
-        cache_dir=Path(cache_dir) if cache_dir else None,
-        seed=group.get("seed", 0),
-        pretrained=pretrained,
-        served_name=group.get("served_name"),
-    )
-    loaded.tool_parser = parser
-    return loaded
-
-
-def text_decode(tokenizer: Any) -> TokenText:
-    """The text of token ids as merge strategies compare it: special tokens kept; the
-    validity check also knows which ids are special."""
-    from agl.core.trainer.calls import TokenText
-
-    # What skip_special_tokens skips: every added token marked special, registered as a
-    # named special (eos, pad) or not (<tool_call>, <think>, ...).
-    added = getattr(tokenizer, "added_tokens_decoder", {})
-    special = {i for i, token in added.items() if getattr(token, "special", False)}
-    return TokenText(
-        lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
-        frozenset(special | set(tokenizer.all_special_ids)),
-    )
-
-
-def _options(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "name"}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import threading
@@ -20,51 +19,10 @@ import httpx
 
 from agl.core.gateway.private_files import private_dir
 from agl.core.gateway.upstream import KEY_ENV_VAR
-from agl.core.processes import die_with_parent
+from agl.core.ports import connect_host, free_port, port_free
+from agl.core.processes import die_with_parent, end_process
 
 log = logging.getLogger(__name__)
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def port_free(host: str, port: int) -> bool:
-    with socket.socket(_family(host)) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(_family(host)) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def end_process(process: subprocess.Popen[bytes] | None) -> None:
-    """Terminate ``process`` if it runs, and kill it if it is not gone within 10 s."""
-    if process is None or process.poll() is not None:
-        return
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=10)
-
-
-def connect_host(host: str) -> str:
-    """Where to reach a server bound to ``host``: loopback for a wildcard address, an IPv6
-    literal in brackets (a URL's form)."""
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
 
 
 class ChildGateway:

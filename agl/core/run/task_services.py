@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 
-from agl.core.processes import die_with_parent
-from agl.core.run.services import end_process, free_port
+from agl.core.ports import free_port
+from agl.core.processes import die_with_parent, end_process
 
 
 @dataclass(frozen=True)

@@ -1,40 +1,22 @@
 """A task as configured in ``conf/task/<name>.yaml``: where its harness, data and warm-up
 live (``module:function`` strings, imported from the experiments folder), and the options
 they share. The data is Python (``train_inputs`` / ``val_inputs``) or dataset files
-(``train_files`` / ``val_files``, see ``agl.core.run.datasets``)."""
+(``train_files`` / ``val_files``, see ``agl.core.datasets``)."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import json
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agl.core.run.datasets import DatasetLimits, DatasetStream, map_columns, read_rows
+from agl.core.callables import load_callable
+from agl.core.datasets import DatasetLimits, DatasetStream, map_columns, read_rows
 from agl.core.run.task_services import ServiceSpec
 from agl.core.run.warmup_pins import WarmupPin
-
-
-def load_callable(spec: str, root: Path | None = None) -> Callable[..., Any]:
-    """``"package.module:function"`` → the function (``root`` goes on ``sys.path`` first)."""
-    module_name, sep, name = spec.partition(":")
-    if not sep or not module_name or not name:
-        raise ValueError(f"{spec!r} is not of the form module:function")
-    if root is not None and str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"cannot import {module_name!r} (for {spec!r}): {error}") from None
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise ValueError(f"{module_name!r} has no function {name!r}")
-    return function
 
 
 @dataclass

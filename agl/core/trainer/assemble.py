@@ -28,8 +28,8 @@ from agl.core.contracts.failures import Cause, failure_cause
 from agl.core.contracts.records import Status
 from agl.core.contracts.samples import NO_TRANSFORM, ModelCall, Sample, Sampling
 from agl.core.contracts.strategies import Advantage, Decode, Merge
-from agl.core.trainer.calls import dedup
-from agl.core.trainer.metrics import merge_metrics, unique_tokens
+from agl.strategies.dedup import dedup
+from agl.strategies.merge_metrics import merge_metrics, unique_tokens
 
 AgentFailures = Literal["zero", "drop"]
 AGENT_FAILURES = ("zero", "drop")

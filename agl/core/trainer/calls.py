@@ -1,67 +1,24 @@
 """From recorded events to the model calls that merging works on.
 
 A recorded call can be unusable: an endpoint that returns no token ids, ids that are not
-token ids, logprobs that do not line up with the response or are not finite, ids that do
-not decode to the text the harness received. :func:`invalid_reason` names what is wrong;
-the proxy stores the reason with the call (``data["invalid"]``) and the trainer leaves
-such calls out, counting them by reason, instead of training on them or crashing.
+token ids, logprobs that do not line up with the response or are not finite
+(``agl.core.contracts.call_validity.invalid_reason``, which the proxy stores with the
+call as ``data["invalid"]``), ids that do not decode to the text the harness received
+(checked here). The trainer leaves such calls out, counting them by reason, instead of
+training on them or crashing.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agl.core.contracts.call_validity import invalid_reason
 from agl.core.contracts.samples import NO_TRANSFORM, ModelCall
 from agl.core.contracts.sampling import sampling_of
 from agl.core.contracts.text_rule import TextRule, text_rule_of
-
-# Token ids above this are not ids of any vocabulary (and overflow int32 tensors).
-MAX_TOKEN_ID = 2**31 - 1
-# A logprob is <= 0; rounding in an engine's float16/32 path may leave it barely above.
-_LOGPROB_SLACK = 1e-3
-
-
-def invalid_reason(data: object) -> str | None:
-    """Why a ``model_request`` event's data cannot be trained on, or None if it can."""
-    if not isinstance(data, Mapping):
-        return "not_an_object"
-    for name in ("prompt_ids", "response_ids"):
-        ids = data.get(name)
-        if not ids:
-            return f"no_{name}"
-        if not isinstance(ids, list) or not all(_is_token_id(t) for t in ids):
-            return f"bad_{name}"
-    logprobs = data.get("logprobs")
-    if not isinstance(logprobs, list) or len(logprobs) != len(data["response_ids"]):
-        return "logprobs_length"
-    if not all(_is_logprob(x) for x in logprobs):
-        return "bad_logprobs"
-    version = data.get("policy_version", 0)
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        return "bad_policy_version"
-    if sampling_of(data) is None:
-        return "bad_sampling"
-    choice = data.get("choice", 0)
-    if not isinstance(choice, int) or isinstance(choice, bool) or choice < 0:
-        return "bad_choice"
-    return None
-
-
-def _is_token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
-
-
-def _is_logprob(value: object) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value <= _LOGPROB_SLACK
-    )
 
 
 @dataclass(frozen=True)
@@ -160,89 +117,6 @@ def shown_messages(data: Mapping[str, Any]) -> list[Any]:
     if isinstance(prompt, str):
         return [{"role": "prompt", "content": prompt}]
     return []
-
-
-DEDUP_RULES = ("continued", "last")
-
-
-def dedup(calls: Sequence[ModelCall], rule: str = "continued") -> list[ModelCall]:
-    """The calls the harness went on with, in the order they were made.
-
-    Two calls with identical ``prompt_ids`` are the choices of one ``n > 1`` request, a
-    retry (the harness timed out, or its answer was lost: the paper's "Network Issues"),
-    or a prompt sent again on purpose (a context reset, a subagent started from the same
-    opening). ``rule``:
-
-    - ``continued`` (default; loses no call the harness used): a call is *continued* when
-      a later call's prompt extends its prompt and, of the calls with that prompt made
-      before it, matches this one's response furthest (ties: the latest request, then its
-      lowest choice). A call is kept when it is continued, or when nothing continued its
-      request and no later request has its prompt: then its request's choice 0 (what a
-      client takes by default). So a retry is dropped, an unused choice is dropped, and a
-      prompt sent again after its first answer was used keeps both calls.
-    - ``last``: of calls with identical ``prompt_ids``, keep the last (the paper's rule).
-
-    Invariants (property-tested): the result is a subsequence of ``calls``; every call
-    that a later prompt continues is in it under ``continued``; of calls with one prompt
-    and nothing continuing them, exactly one is kept.
-    """
-    if rule == "last":
-        latest = {tuple(c.prompt_ids): i for i, c in enumerate(calls)}
-        return [c for i, c in enumerate(calls) if latest[tuple(c.prompt_ids)] == i]
-    if rule != "continued":
-        raise ValueError(f"unknown dedup rule {rule!r}; use one of {', '.join(DEDUP_RULES)}")
-    requests = _requests(calls)
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
-    continued: set[int] = set()
-    for j, call in enumerate(calls):
-        for members in by_prompt.values():
-            prompt = calls[members[0]].prompt_ids
-            n = len(prompt)
-            if len(call.prompt_ids) > n and call.prompt_ids[:n] == prompt:
-                continued.add(_best_match(calls, members, call.prompt_ids, n, requests))
-        by_prompt.setdefault(tuple(call.prompt_ids), []).append(j)
-    used = {requests[i] for i in continued}
-    last = {requests[m[-1]] for m in by_prompt.values()}
-    first_choice: dict[int, int] = {}
-    for i, r in enumerate(requests):
-        first_choice.setdefault(r, i)
-    return [
-        c
-        for i, c in enumerate(calls)
-        if i in continued
-        or (requests[i] not in used and requests[i] in last and first_choice[requests[i]] == i)
-    ]
-
-
-def _requests(calls: Sequence[ModelCall]) -> list[int]:
-    """Which request each call is a choice of: a new one starts at each choice 0 (or a
-    choice index that does not follow the one before, or another prompt)."""
-    out: list[int] = []
-    for i, c in enumerate(calls):
-        same = i > 0 and c.choice > calls[i - 1].choice and c.prompt_ids == calls[i - 1].prompt_ids
-        out.append(out[-1] if same else (out[-1] + 1 if out else 0))
-    return out
-
-
-def _best_match(
-    calls: Sequence[ModelCall],
-    members: Sequence[int],
-    later_prompt: Sequence[int],
-    n: int,
-    requests: Sequence[int],
-) -> int:
-    """Of ``members`` (calls with the prompt of length ``n``), the one whose response the
-    later prompt matches furthest: ties go to the latest request, then its first choice."""
-
-    def key(i: int) -> tuple[int, int, int]:
-        response = calls[i].response_ids
-        rest = later_prompt[n : n + len(response)]
-        match = 0
-        while match < len(rest) and rest[match] == response[match]:
-            match += 1
-        return (match, requests[i], -calls[i].choice)
-
-    return max(members, key=key)
 
 
 def read_calls(

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from agl.core.contracts.records import Event
 from agl.core.contracts.samples import BreakReason, ModelCall, Sample
 from agl.core.contracts.strategies import Merge
-from agl.core.trainer.calls import dedup, read_calls
+from agl.core.trainer.calls import read_calls
+from agl.strategies.dedup import dedup
 from agl.strategies.merging import common_prefix_len
 
 DecodeToken = Callable[[int], str]

@@ -48,8 +48,8 @@ from agl.core.trainer.assemble import (
     assemble,
     task_metrics,
 )
-from agl.core.trainer.calls import DEDUP_RULES
 from agl.core.trainer.collector import Collector, Group
+from agl.strategies.dedup import DEDUP_RULES
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agl.core.trainer.assemble import FinishedRollout, MergeStrategy
-from agl.core.trainer.calls import dedup
+from agl.strategies.dedup import dedup
 
 COLUMNS = [
     "rollout_id",

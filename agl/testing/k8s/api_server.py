@@ -20,7 +20,7 @@ import httpx
 from kubernetes import config as k8s_config
 from kubernetes.client import ApiClient
 
-from agl.core.run.services import free_port
+from agl.core.ports import free_port
 from agl.testing.k8s.binaries import (
     APISERVER_XZ_ENV,
     apiserver_binary,

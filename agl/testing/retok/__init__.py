@@ -1,7 +1,8 @@
 """Retokenization testbed: a real byte-level BPE, a Qwen3-like template, drifting traces.
 
 Merge strategies are only as well tested as the drift they meet. This package makes the
-drift real instead of simulated: ``tokenizer.json`` is a small byte-level BPE (trained by
+drift real instead of simulated: the tiny model's tokenizer
+(``agl/backends/inference/tiny_tokenizer.json``) is a small byte-level BPE (trained by
 ``make_tokenizer.py``), ``template.py`` renders chats the way Qwen3's template does, and
 ``traces.py`` runs a simulated harness whose recorded calls break token continuity
 (the paper's eq. 9) only through named, labelled mechanisms.
@@ -20,8 +21,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from agl.backends.inference.byte_level import byte_level_chars
-
-TOKENIZER_PATH = Path(__file__).with_name("tokenizer.json")
+from agl.backends.inference.qwen_chat import TINY_TOKENIZER_PATH
 
 # Qwen's chat specials; the two tool_response tags are added tokens in Qwen as well.
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -136,6 +136,6 @@ class RetokTokenizer:
 
 
 @cache
-def load_tokenizer(path: str | Path = TOKENIZER_PATH) -> RetokTokenizer:
+def load_tokenizer(path: str | Path = TINY_TOKENIZER_PATH) -> RetokTokenizer:
     """The committed testbed tokenizer (cached: one instance per path)."""
     return RetokTokenizer(Tokenizer.from_file(str(path)))

@@ -1,10 +1,11 @@
 """Train the testbed's byte-level BPE on a built-in corpus.
 
-Run ``python -m agl.testing.retok.make_tokenizer [PATH]`` to regenerate ``tokenizer.json``.
+Run ``python -m agl.testing.retok.make_tokenizer [PATH]`` to regenerate the tiny model's
+``agl/backends/inference/tiny_tokenizer.json``.
 
 The corpus (English prose, Python-like code, JSON, rendered chats) is generated from a
 fixed seed, and ``tokenizers``' BPE trainer is deterministic on it, so the committed
-``tokenizer.json`` is exactly what this script writes; a test checks that. The
+``tiny_tokenizer.json`` is exactly what this script writes; a test checks that. The
 pre-tokenizer is Qwen2's regex and special tokens are split out before it, so message
 boundaries are token boundaries, as in the real model.
 """
@@ -21,7 +22,8 @@ from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from agl.testing.retok import SPECIAL_TOKENS, TOKENIZER_PATH
+from agl.backends.inference.qwen_chat import TINY_TOKENIZER_PATH
+from agl.testing.retok import SPECIAL_TOKENS
 from agl.testing.retok.template import render, render_assistant_output
 
 VOCAB_SIZE = 1536
@@ -215,7 +217,7 @@ def tokenizer_json(seed: int = CORPUS_SEED, vocab_size: int = VOCAB_SIZE) -> str
 
 
 def main(argv: list[str]) -> int:
-    path = Path(argv[0]) if argv else TOKENIZER_PATH
+    path = Path(argv[0]) if argv else TINY_TOKENIZER_PATH
     path.write_text(tokenizer_json(), encoding="utf-8")
     return 0
 

@@ -19,6 +19,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from agl.backends.inference.qwen_chat import TOOLS_POSTAMBLE, TOOLS_PREAMBLE
+
 Message = dict[str, Any]
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -26,15 +28,6 @@ THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE_START, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
 
-TOOLS_PREAMBLE = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-TOOLS_POSTAMBLE = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-)
 _TOOL_CALL_RE = re.compile(
     re.escape(TOOL_CALL_START) + r"\n(.*?)\n" + re.escape(TOOL_CALL_END), re.DOTALL
 )

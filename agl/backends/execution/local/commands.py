@@ -11,16 +11,20 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 
-from agl.agent import ENV_GRADED, ENV_REPORT_FD, ENV_WORKSPACE, AgentContext, report_pipe
+from agl.agent import (
+    ENV_GRADED,
+    ENV_REPORT_FD,
+    ENV_WORKSPACE,
+    WORKSPACES,
+    AgentContext,
+    report_pipe,
+)
 from agl.backends.execution.confine import Start, agent_env
 from agl.backends.execution.local.config import LocalExecutorConfig
 from agl.backends.execution.local.processes import exit_reason, signal_group, terminate
 from agl.core.contracts.execution import ORPHANED, Exit, Key, Launch
 from agl.core.processes import die_with_parent
 from agl.grading import GradeNotPosted, Grader, grade_attempt, load_grader
-
-# Where each graded attempt works: run_dir/WORKSPACES/<rollout>.<attempt>.
-WORKSPACES = "workspaces"
 
 # The package's name, not this module's: the name its log lines carried before the split.
 log = logging.getLogger("agl.backends.execution.local")

@@ -18,7 +18,7 @@ from agl.backends.inference.server.completions import TextCompletions
 from agl.backends.inference.server.model_info import ModelInfo
 from agl.backends.inference.server.tokens import TokenCodec
 from agl.backends.inference.server.tools import tool_parser as tool_parser_named
-from agl.core.gateway.errors import ApiError, error_response
+from agl.core.http_errors import ApiError, error_response
 
 
 def create_app(

@@ -22,7 +22,7 @@ from agl.backends.inference.server.responses import json_response, token_usage, 
 from agl.backends.inference.server.streaming import event_stream, first_deltas
 from agl.backends.inference.server.text import ChoiceOutput, collect
 from agl.backends.inference.server.tokens import TokenCodec
-from agl.core.gateway.errors import error_response
+from agl.core.http_errors import error_response
 
 
 class TextCompletions:

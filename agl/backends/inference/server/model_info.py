@@ -20,7 +20,7 @@ from agl.backends.inference.server.requests import (
 )
 from agl.backends.inference.server.responses import json_response
 from agl.backends.inference.server.tokens import TokenCodec
-from agl.core.gateway.errors import ApiError
+from agl.core.http_errors import ApiError
 
 
 class ModelInfo:

@@ -8,7 +8,7 @@ from typing import Any
 
 from agl.backends.inference.engine import SamplingParams
 from agl.backends.inference.server.tokens import TokenCodec
-from agl.core.gateway.errors import ApiError
+from agl.core.http_errors import ApiError
 
 
 def chat_prompt(

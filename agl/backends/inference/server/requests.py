@@ -11,7 +11,7 @@ from starlette.requests import Request
 
 from agl.backends.inference.engine import SamplingParams
 from agl.core.contracts.text_rule import TextRule, TextRuleError, parse_text_rule
-from agl.core.gateway.errors import ApiError
+from agl.core.http_errors import ApiError
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 

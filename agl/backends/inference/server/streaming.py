@@ -12,7 +12,7 @@ from starlette.responses import StreamingResponse
 
 from agl.backends.inference.engine import Delta, EngineError, Generation
 from agl.backends.inference.server.responses import version_header
-from agl.core.gateway.errors import error_body
+from agl.core.http_errors import error_body
 
 
 async def first_deltas(

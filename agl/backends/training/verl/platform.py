@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from agl.core.run.services import free_port
+from agl.core.ports import free_port
 
 __all__ = ["ensure_cpu_platform", "ensure_process_group", "override_env"]
 

@@ -13,9 +13,9 @@ The path of one ``train()``:
    ``compute_log_prob``/``compute_ref_log_prob``) where the step needs it: the KL
    reference's logprobs (``kl_coef``), and under a rollout correction (``rollout_is``/
    ``rollout_rs``) π_old, the current weights' own logprobs. The correction
-   (``agl.core.trainer.correction``, as ``TorchBackend`` applies it) gives each action token its
-   IS weight and makes the rejected tokens context, all before the loss strategy sees
-   the samples.
+   (``agl.backends.training.correction``, as ``TorchBackend`` applies it) gives each
+   action token its IS weight and makes the rejected tokens context, all before the loss
+   strategy sees the samples.
 3. The loss strategy's weights are computed once per mini-batch, exactly as in
    ``TorchBackend``.
 4. Each mini-batch becomes one ``DataProto`` (``dataproto.to_dataproto``, verl's field
@@ -49,6 +49,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from agl.backends.training.correction import CorrectionConfig, correct
+from agl.backends.training.schedule import schedule
 from agl.backends.training.verl.config import VerlBackendConfig
 from agl.backends.training.verl.dataproto import (
     mini_batch_rows,
@@ -60,8 +62,6 @@ from agl.backends.training.verl.layout import TokenTargets, pad_to_multiple, spl
 from agl.backends.training.verl.worker import build_worker, lr_step, response_logprobs
 from agl.core.contracts.samples import Sample
 from agl.core.contracts.strategies import Loss
-from agl.core.trainer.correction import CorrectionConfig, correct
-from agl.core.trainer.schedule import schedule
 
 if TYPE_CHECKING:
     import torch

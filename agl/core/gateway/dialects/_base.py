@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from agl.core.gateway.errors import ApiError
+from agl.core.http_errors import ApiError
 
 log = logging.getLogger("agl.core.gateway.dialects")
 
@@ -46,7 +46,7 @@ class Dialect(Protocol):
     def error_body(
         self, status: int, message: str, param: str | None = None, code: str | None = None
     ) -> dict[str, Any]:
-        """The gateway's error shape (``agl.core.gateway.errors``) with the dialect's types."""
+        """The gateway's error shape (``agl.core.http_errors``) with the dialect's types."""
         ...
 
 

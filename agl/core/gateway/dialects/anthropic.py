@@ -36,7 +36,7 @@ from agl.core.gateway.dialects._chat import (
     new_id,
     outcome_of,
 )
-from agl.core.gateway.errors import error_body
+from agl.core.http_errors import error_body
 
 NAME = "anthropic"
 

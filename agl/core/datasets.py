@@ -15,7 +15,7 @@ Invariants (``read_rows``, ``DatasetStream``):
 - what a read holds is bounded by ``DatasetLimits``: a file's bytes, a parquet file's
   decoded size, the rows, a row's size. Reading stops at the first row past one; a
   parquet file's decoded sizes are known before its rows are decoded
-  (``agl.core.run.parquet_sizes``), so a small file that expands is refused small;
+  (``agl.core.parquet_sizes``), so a small file that expands is refused small;
 - a JSON Lines row ends at ``\\n`` only: a line separator in a string (U+2028) is text.
 """
 
@@ -37,7 +37,7 @@ from agl.core.contracts.records import MAX_JSON_DEPTH, storable
 if TYPE_CHECKING:  # pyarrow and numpy are imported when a parquet file is read
     import pyarrow.parquet as pq
 
-    from agl.core.run.parquet_sizes import Sizes
+    from agl.core.parquet_sizes import Sizes
 
 
 class DatasetError(ValueError):
@@ -225,7 +225,7 @@ def _parquet_rows(path: Path, limits: DatasetLimits, room: int) -> _Rows:
     its rows are decoded; the footer alone refuses a file it shows is past a limit."""
     import pyarrow as pa
 
-    from agl.core.run import parquet_sizes
+    from agl.core import parquet_sizes
 
     with _parquet_file(path) as file:
         metadata = file.metadata
@@ -258,7 +258,7 @@ def _parquet_file(path: Path) -> pq.ParquetFile:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from agl.core.run.parquet_sizes import byte_columns
+    from agl.core.parquet_sizes import byte_columns
 
     try:
         with pq.ParquetFile(path) as footer:

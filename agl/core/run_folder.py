@@ -1,8 +1,9 @@
 """What a run folder (``python -m agl.train ... hydra.run.dir=DIR``) tells the tools that
 look at its rollouts afterwards (``python -m agl.rollouts``, the gateway's viewer): its
 resolved config, its strategy choices, and the merge strategy, advantage function and
-tokenizer it trained with — built by the same functions ``agl.train`` uses, so what they
-explain is what was trained.
+tokenizer it trained with — built by the same functions ``agl.train`` uses
+(``agl.core.config_groups``), so what they explain is what was trained. It reads a run;
+the code that builds one (``agl.core.run``) is the entry points' alone.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Any
 
 import yaml
 
+from agl.core.config_groups import load_configured_model, make_advantage, make_merge, text_decode
 from agl.core.contracts.strategies import Advantage
-from agl.core.run.build import load_configured_model, make_advantage, make_merge, text_decode
 from agl.core.trainer.assemble import MergeStrategy
 from agl.strategies.registry import get
 

@@ -1,4 +1,6 @@
-"""One error shape for every 4xx/5xx the gateway sends: OpenAI's ``ErrorResponse``,
+"""One error shape for every 4xx/5xx agl's servers send, the gateway's and the embedded
+inference server's (``agl.backends.inference.server``): at the bottom, so that both answer
+in it and neither imports the other. OpenAI's ``ErrorResponse``,
 ``{"error": {"message", "type", "param", "code"}}`` with ``code`` a string or null, which
 the ``openai`` client reads ``error.message`` from. A few errors carry more beside
 ``error`` (a 409's ``current`` rollout, a 429's ``retry_after_s``); the Anthropic routes
@@ -66,7 +68,7 @@ def error_body(
 
 
 class ApiError(Exception):
-    """A refusal the gateway answers in its one shape: ``status`` and ``message``; the
+    """A refusal answered in the one shape: ``status`` and ``message``; the
     error's ``type`` (by default from the status), ``param`` (the field at fault) and
     ``code`` (a machine-readable string); response ``headers``; and ``extra`` top-level
     fields beside ``error``."""

@@ -3,7 +3,7 @@ and from a row group read compactly (its strings left dictionary-encoded).
 
 A parquet file can be small and decode to a great deal: a long string stored once in a
 dictionary and referred to by every row, runs of one value in a few bytes of RLE. Sizes
-here are counted as the dataset reader counts a row (``agl.core.run.datasets``): 8 bytes
+here are counted as the dataset reader counts a row (``agl.core.datasets``): 8 bytes
 a value (a reference), plus the bytes of each string or binary value. They hold:
 
 - ``compact_bound`` reads only the footer, and bounds what reading a row group with

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from agl.core.run.errors import UserError
+from agl.core.user_error import UserError
 
 log = logging.getLogger(__name__)
 

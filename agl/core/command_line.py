@@ -1,4 +1,6 @@
-"""``key=value`` command lines for agl's services, read into a dataclass of options.
+"""``key=value`` command lines for agl's services, read into a dataclass of options: the
+gateway's, the controller's, the embedded server's, a task's own services' (the search
+task's retriever). At the bottom, as none of them builds a run.
 
 A bad option ends the program with one line that says what is wrong, never a traceback.
 """
@@ -9,7 +11,7 @@ import dataclasses
 import sys
 from typing import Any, TypeVar, get_type_hints
 
-from agl.core.run.errors import UserError
+from agl.core.user_error import UserError
 
 C = TypeVar("C")
 
@@ -33,11 +35,6 @@ def parse_overrides(config_type: type[C], argv: list[str]) -> C:
         return config_type(**values)
     except ValueError as error:  # the config's own checks (__post_init__)
         raise UserError(str(error)) from None
-
-
-def check_port(port: int) -> None:
-    if not 0 < port < 65536:
-        raise ValueError(f"port={port} is not a TCP port (1-65535)")
 
 
 def _convert(key: str, raw: str, kind: Any) -> Any:
