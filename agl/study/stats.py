@@ -10,7 +10,7 @@ small-sample statistics with the t distribution, not the normal one:
 - ``holm``: the Holm-Bonferroni step-down over a family of p-values, so that comparing
   every setting with the reference does not find a "difference" by chance alone.
 
-Invariants (tests/test_study_stats.py): an interval holds its mean and widens with the
+Invariants (tests/study/test_study_stats.py): an interval holds its mean and widens with the
 confidence; two identical samples are never significantly different; a constant sample
 that differs is (p = 0); Holm's adjusted p-values are monotone in the raw ones, at least
 the raw ones, and at most 1.

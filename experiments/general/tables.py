@@ -11,7 +11,7 @@ held-out countries' rows are in the tables (an agent answers from them), but no 
 question asks about them.
 
 ``grep_words`` is ``grep -Fw`` in Python, for the warm-up's scripted commands over
-invented rows (``tests/test_general.py`` checks it against the real ``grep``).
+invented rows (``tests/experiments/test_general.py`` checks it against the real ``grep``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ Each trajectory is a mini-swe-agent conversation as the gateway records it (the 
 ``python -m experiments.swe.audit [--judge URL --judge-model NAME]`` prints precision and
 recall of the built-in rules, of those with the coding agent's own (``rules.py``: written
 after the built-in ones missed the set's test edits and disk copies, so their figures here
-are fitted; ``tests/test_swe_audit.py`` checks them on other spellings too) and, with a
+are fitted; ``tests/experiments/swe/test_swe_audit.py`` checks them on other spellings too)
+and, with a
 judge, of its verdicts.
 """
 

@@ -14,7 +14,8 @@ in sight but the system's programs, pytest and the checkout.
 The input is the task's record (``instance_id``, ``repo``, ``problem_statement``, the
 test lists) with the task's options: ``mirror`` (the pipeline's mirror folder),
 ``step_limit``, ``command_timeout_s``, ``temperature``, ``max_tokens``, and two for the
-safeguards' control experiment (tests/test_swe_hacks.py): ``leaky`` leaves the checkout
+safeguards' control experiment (tests/experiments/swe/test_swe_hacks.py): ``leaky`` leaves
+the checkout
 as a git repository whose history holds the unbugged code (as SWE-smith's images do),
 and ``sandbox: false`` runs the commands with mini-swe-agent's own ``LocalEnvironment``
 (the whole machine and the harness's environment in reach). The harness prints one JSON

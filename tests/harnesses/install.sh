@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the agent harnesses tests/test_real_harnesses.py runs through the proxy:
+# Installs the agent harnesses tests/harnesses/test_real_harnesses.py runs through the proxy:
 # - Codex CLI, Claude Code, OpenCode and Qwen Code from npm, at the exact versions of
 #   package-lock.json, into tests/harnesses/node_modules (needs Node >= 20 and npm);
 # - the OpenHands SDK into tests/harnesses/.venv, a venv of its own: it needs Python

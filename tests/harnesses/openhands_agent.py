@@ -1,4 +1,4 @@
-"""OpenHands (the ``openhands-sdk`` agent) on one task, for tests/test_real_harnesses.py.
+"""OpenHands (the ``openhands-sdk`` agent) on one task, for tests/harnesses/test_real_harnesses.py.
 
 The SDK needs Python >= 3.12 and agl supports 3.11, so this runs in the venv that
 ``install.sh`` makes: ``tests/harnesses/.venv/bin/python openhands_agent.py SPEC_JSON``.

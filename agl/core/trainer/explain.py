@@ -3,7 +3,7 @@ which calls each sample holds, where and why a sample broke off from the one bef
 which recorded prompts a strategy changed (stitch). Pure (no HTTP, no torch): the
 ``python -m agl.rollouts show`` command and the browser viewer both render it.
 
-What holds (tested in tests/test_explain.py), for calls with non-empty responses (what
+What holds (tested in tests/core/trainer/test_explain.py), for calls with non-empty responses (what
 ``calls_from_events`` gives):
 
 - every deduplicated call is in exactly one ``SampleSpan`` (its response tokens are);

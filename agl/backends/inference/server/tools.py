@@ -10,13 +10,13 @@ parser of the same name (``--tool-call-parser``) reads it.
 Every parser re-serializes the arguments with ``json.dumps``: the text a harness carries
 into its history is not the sampled one (a source of retokenization drift).
 
-Where agl reads differently from vLLM (``tests/test_tool_parsers.py`` checks each against
-vLLM's own parsers): arguments that are a JSON string are decoded (vLLM encodes the
-string again), and arguments that are not an object, or missing, make the text content
-(vLLM passes them on as they are); hermes also takes ``parameters`` for ``arguments``,
-leaves out the newline its template puts before the first block, and makes an
-unterminated block content (vLLM parses it to the end of the text). The engines then
-disagree only on text no harness can use as a call.
+Where agl reads differently from vLLM (``tests/backends/inference/test_tool_parsers.py``
+checks each against vLLM's own parsers): arguments that are a JSON string are decoded
+(vLLM encodes the string again), and arguments that are not an object, or missing, make
+the text content (vLLM passes them on as they are); hermes also takes ``parameters`` for
+``arguments``, leaves out the newline its template puts before the first block, and
+makes an unterminated block content (vLLM parses it to the end of the text). The engines
+then disagree only on text no harness can use as a call.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ A linear agl sample maps to one row:
   ``is_weights``, ``ref_logprobs`` (the KL reference's). Rows of one batch carry the
   same optional fields (:func:`pad` fills a row's missing ones with neutral values).
 
-Invariants (``tests/test_verl_backend.py``, Hypothesis):
+Invariants (``tests/backends/training/test_verl_backend.py``, Hypothesis):
   - ``join(split(s)) == s`` for every linear sample (tokens, mask, logprobs, ids); weights
     and advantage come back unchanged;
   - a token is trained through verl iff ``TorchBackend`` trains it: an action token, not

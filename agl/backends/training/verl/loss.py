@@ -82,7 +82,8 @@ def agl_ppo_loss(
     The entropy and KL terms are not homogeneous in ``A``, so they cannot ride in the
     folded advantage: they are weighted by ``agl_loss_weights`` here, and aggregated as
     verl aggregates ``token-sum`` (``Σ · dp_size``, which FSDP's average over ranks
-    cancels). KL is agl's ``kl_penalty`` (verl's formulas, ``tests/test_verl_crosscheck``)
+    cancels). KL is agl's ``kl_penalty`` (verl's formulas,
+    ``tests/backends/training/test_verl_crosscheck``)
     against the batch's ``ref_log_prob``; both logprobs and the entropy are of each token's
     sampling transform (``sampling.sampled_model_outputs``).
     """

@@ -2,8 +2,8 @@
 samples, advantages and loss weights are handed to verl's own actor update
 (``TrainingWorker.train_mini_batch`` on verl's FSDP engine, the code
 ``ActorRolloutRefWorker.update_actor`` runs on every GPU worker). It trains what
-``TorchBackend`` trains, gradient for gradient (``tests/test_verl_backend.py``,
-``tests/test_verl_sampling.py``: equal to ~1e-6 of the gradient's scale).
+``TorchBackend`` trains, gradient for gradient (``tests/backends/training/test_verl_backend.py``,
+``tests/backends/training/test_verl_sampling.py``: equal to ~1e-6 of the gradient's scale).
 
 The path of one ``train()``:
 

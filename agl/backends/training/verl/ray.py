@@ -18,7 +18,7 @@ weights, mini-batches and the ``TensorDict`` handed over are the in-process path
    ``train`` mesh (``DataProto``-style contiguous chunks, one per dp rank); each rank runs
    ``train_mini_batch`` on its chunk, FSDP averages gradients over the ranks, and
    ``token-sum``'s ``* dp_size`` cancels that average: the update is agl's loss over the
-   whole hand-off (``tests/test_verl_ray.py`` checks it against ``TorchBackend``).
+   whole hand-off (``tests/backends/training/test_verl_ray.py`` checks it against ``TorchBackend``).
 3. **Weights back.** After a step rank 0 gathers the full state dict
    (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``, a collective every
    rank joins), and the trainer loads it into its module under ``paused()``: the embedded
