@@ -17,6 +17,10 @@ from agl.core.client import GatewayClient, proxy_base_url
 from agl.core.contracts.records import Rollout
 from agl.testing.fake_vllm import FakeVllm, serve_in_thread
 from agl.testing.processes import GatewayProcess, gateway_process
+from tests.helpers.shared import built_once
+
+# Where the suite's time goes (--durations-json), and the longest files first.
+pytest_plugins = ["tests.helpers.durations"]
 
 # Tests assert outcomes, never timing: Hypothesis's per-example deadline (200 ms) fails a
 # correct test when both cores are busy (seen on test_malformed_upstream under the suite).
@@ -151,7 +155,8 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real 2-step ``agl.train`` run of the default experiment (merge=prefix), made once
     for every test that reads a run folder: its tiny model's BPE-dropout makes some
     prompts come back retokenized, which breaks samples. Read it, do not change it."""
-    return train_run(tmp_path_factory.mktemp("short_run") / "run", *SHORT_RUN)
+    folder = built_once(tmp_path_factory, "short_run", lambda d: train_run(d / "run", *SHORT_RUN))
+    return folder / "run"
 
 
 def vllm_text(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:

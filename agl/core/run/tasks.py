@@ -5,6 +5,7 @@ they share. The data is Python (``train_inputs`` / ``val_inputs``) or dataset fi
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import inspect
 import json
@@ -185,14 +186,19 @@ class Task:
             + self._warmup_source()
         ).hexdigest()[:16]
         path = cache_dir / f"{self.config.name}-{key}.pt"
-        if path.exists():
-            model.load_state_dict(torch.load(path, map_location="cpu"))
-            return {"cached": 1.0}
-        metrics = warmup(model, tokenizer, **options)
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        torch.save(model.state_dict(), partial)
-        partial.replace(path)
+        # Runs that start together (a sweep, parallel tests) want the same warm-up: the
+        # first makes it, the others wait for it and read it, instead of each making it
+        # and writing one file at once.
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.exists():
+                model.load_state_dict(torch.load(path, map_location="cpu"))
+                return {"cached": 1.0}
+            metrics = warmup(model, tokenizer, **options)
+            partial = path.with_suffix(".partial")
+            torch.save(model.state_dict(), partial)
+            partial.replace(path)
         return metrics
 
     def _warmup_source(self) -> bytes:
