@@ -24,7 +24,7 @@ from agl.core.trainer.assemble import FinishedRollout, MergeStrategy, assemble
 from agl.core.trainer.calls import read_calls
 from agl.strategies.registry import get
 from tests.conftest import agent, model_requests
-from tests.core.gateway.test_completions import Tiny, start, tiny, tiny_admin  # noqa: F401 - fixtures
+from tests.helpers.tiny_gateway import Tiny, start, tiny, tiny_admin  # noqa: F401 - fixtures
 
 
 def vllm_top_k_top_p(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:

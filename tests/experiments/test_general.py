@@ -559,7 +559,7 @@ def test_no_sandbox_outlives_a_stopped_run(tmp_path: Path, how: str) -> None:
     import signal
     import time
 
-    from tests.train.test_train import _alive, _descendants
+    from tests.helpers.processes import alive, descendants
 
     overrides = [o for o in SMALL_RUN if not o.startswith("trainer.steps")]
     process = subprocess.Popen(
@@ -584,16 +584,16 @@ def test_no_sandbox_outlives_a_stopped_run(tmp_path: Path, how: str) -> None:
     while not seen:
         assert process.poll() is None, process.stderr.read() if process.stderr else ""
         assert time.monotonic() < deadline, "no sandbox was made"
-        seen = [pid for pid in _sandboxes() if pid in _descendants(process.pid)]
+        seen = [pid for pid in _sandboxes() if pid in descendants(process.pid)]
         time.sleep(0.05)
-    children = _descendants(process.pid)
+    children = descendants(process.pid)
     process.send_signal(getattr(signal, how))
     process.wait(timeout=60)
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in children):
-        assert time.monotonic() < deadline, [p for p in children if _alive(p)]
+    while any(alive(pid) for pid in children):
+        assert time.monotonic() < deadline, [p for p in children if alive(p)]
         time.sleep(0.1)
-    assert not [pid for pid in seen if _alive(pid)]
+    assert not [pid for pid in seen if alive(pid)]
 
 
 @needs_root

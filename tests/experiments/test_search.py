@@ -232,8 +232,8 @@ def test_the_warm_up_plays_invented_places_through_the_harness() -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
 def test_no_retriever_outlives_a_stopped_run(tmp_path: Path, how: signal.Signals) -> None:
+    from tests.helpers.processes import alive, descendants
     from tests.helpers.train_runs import ROOT
-    from tests.train.test_train import _alive, _descendants
 
     process = subprocess.Popen(
         [
@@ -262,7 +262,7 @@ def test_no_retriever_outlives_a_stopped_run(tmp_path: Path, how: signal.Signals
         assert process.poll() is None, process.stderr.read() if process.stderr else ""
         assert time.monotonic() < deadline, "the run made no step"
         time.sleep(0.2)
-    children = _descendants(process.pid)
+    children = descendants(process.pid)
     retrievers = [
         pid
         for pid in children
@@ -272,8 +272,8 @@ def test_no_retriever_outlives_a_stopped_run(tmp_path: Path, how: signal.Signals
     process.send_signal(how)
     process.wait(timeout=60)
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in children):
-        assert time.monotonic() < deadline, [p for p in children if _alive(p)]
+    while any(alive(pid) for pid in children):
+        assert time.monotonic() < deadline, [p for p in children if alive(p)]
         time.sleep(0.1)
 
 

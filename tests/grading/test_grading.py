@@ -22,8 +22,8 @@ from agl.grading import GRADE_EVENT, Grade, as_grade, load_grader
 from agl.sandbox.launch import unavailable
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess
-from tests.core.controller.test_controller import group_final, new_group, running, specs
 from tests.helpers.board import board
+from tests.helpers.controller import group_final, new_group, running, specs
 
 REPO = Path(__file__).resolve().parents[2]
 GRADER = "tests.helpers.graded_agent:grade"

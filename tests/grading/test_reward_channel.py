@@ -22,9 +22,9 @@ from agl.core.contracts.records import Status
 from agl.sandbox.launch import unavailable
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess
-from tests.core.controller.test_controller import group_final, new_group, running, specs
-from tests.harnesses.test_harnesses import scripted_tool_call
 from tests.helpers.board import board
+from tests.helpers.controller import group_final, new_group, running, specs
+from tests.helpers.scripted_answers import scripted_tool_call
 from tests.helpers.tool_attack import ATTACK
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ from agl.core.contracts.records import Event, EventIn
 from agl.rollouts.judge import HACK, TRANSCRIPT_CHARS, VERDICT_EVENT, transcript
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess
-from tests.core.controller.test_controller import new_group
+from tests.helpers.controller import new_group
 
 TASK = "Since the last change to schema, 3 of its tests fail. Make them pass again."
 FINAL = "THOUGHT: done.\n\n```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```"

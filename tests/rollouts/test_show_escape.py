@@ -13,7 +13,7 @@ from agl.core.client import GatewayClient
 from agl.core.contracts.execution import AGENT_LOG_EVENT
 from agl.core.contracts.records import EventIn
 from agl.testing.processes import GatewayProcess
-from tests.core.controller.test_controller import new_group
+from tests.helpers.controller import new_group
 
 # Clear the screen, set the window title, rewrite the line, C1 CSI, reorder (RLO), ring,
 # erase a character, a line separator, DEL, and an invisible tag character.

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from agl.core.contracts.samples import BreakReason, ModelCall, Sample
 from agl.strategies.dedup import dedup
 from agl.strategies.registry import get, names
+from tests.helpers.sample_positions import action_positions, contexts
 from tests.helpers.toy_traces import decode, traces
 
 EXACT = ("independent", "prefix", "tree")
@@ -19,31 +20,6 @@ EXACT = ("independent", "prefix", "tree")
 def merge(name: str, calls: list[ModelCall]) -> list[Sample]:
     options = {"decode": decode} if name == "stitch" else {}
     return get("merge", name)(calls, "r", "g", **options)
-
-
-def contexts(sample: Sample) -> list[list[int]]:
-    """Each token's context: its ancestors (tree) or everything before it (linear)."""
-    if sample.parents is None:
-        return [sample.tokens[:p] for p in range(len(sample.tokens))]
-    out: list[list[int]] = []
-    for p in range(len(sample.tokens)):
-        parent = sample.parents[p]
-        out.append([*out[parent], sample.tokens[parent]] if parent >= 0 else [])
-    return out
-
-
-def action_positions(samples: list[Sample]) -> Counter[tuple[int, int]]:
-    """(call, index in its response) -> how many sample positions hold that action."""
-    seen: Counter[tuple[int, int]] = Counter()
-    for s in samples:
-        progress: Counter[int] = Counter()
-        order = range(len(s.tokens))
-        for p in order:
-            if s.action_mask[p]:
-                c = s.call_index[p]
-                seen[c, progress[c]] += 1
-                progress[c] += 1
-    return seen
 
 
 @pytest.mark.parametrize("name", EXACT)

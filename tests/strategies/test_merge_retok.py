@@ -9,7 +9,7 @@ from agl.strategies.dedup import dedup
 from agl.strategies.registry import get
 from agl.testing.retok import load_tokenizer
 from agl.testing.retok.traces import MECHANISMS, Rates, generate_traces
-from tests.strategies.test_merge import action_positions, contexts
+from tests.helpers.sample_positions import action_positions, contexts
 
 RATES = Rates(noncanonical=0.5, toolcall=0.6, subagent=0.3, summary=0.2, retry=0.0)
 

@@ -20,6 +20,7 @@ from agl.core.run.build import backend_config
 from agl.core.trainer.trajectories import COLUMNS
 from agl.core.user_error import UserError
 from agl.train import CONF, ROOT, check_choices, train
+from tests.helpers.processes import alive, descendants
 from tests.helpers.train_runs import SMALL, one_line_error, recorded, run_train, trained_two_steps
 from tests.helpers.wandb_records import history, tables
 
@@ -174,31 +175,6 @@ def test_multirun_sweeps_two_strategies(tmp_path: Path) -> None:
                 assert cell["samples"] == 1 and cell["breaks"] == ""
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process below ``pid`` (from /proc: parent pid is field 4 of stat)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier}
-        found |= frontier
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
 def test_nothing_outlives_a_stopped_run(tmp_path: Path, how: signal.Signals) -> None:
@@ -223,7 +199,7 @@ def test_nothing_outlives_a_stopped_run(tmp_path: Path, how: signal.Signals) -> 
         assert process.poll() is None, process.stderr.read() if process.stderr else ""
         assert time.monotonic() < deadline, "the run made no step"
         time.sleep(0.2)
-    children = _descendants(process.pid)
+    children = descendants(process.pid)
     assert len(children) >= 2  # the gateway and at least one agent worker
     process.send_signal(how)
     process.wait(timeout=60)
@@ -231,8 +207,8 @@ def test_nothing_outlives_a_stopped_run(tmp_path: Path, how: signal.Signals) -> 
         assert process.returncode == 130
         assert "interrupted" in (process.stderr.read() if process.stderr else "")
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in children):
-        assert time.monotonic() < deadline, [p for p in children if _alive(p)]
+    while any(alive(pid) for pid in children):
+        assert time.monotonic() < deadline, [p for p in children if alive(p)]
         time.sleep(0.1)
 
 
@@ -291,7 +267,7 @@ def test_the_run_carries_on_when_its_gateway_is_killed(tmp_path: Path) -> None:
         assert process.poll() is None, process.stderr.read() if process.stderr else ""
         assert time.monotonic() < deadline, "the run made no step"
         time.sleep(0.2)
-    (gateway,) = [pid for pid in _descendants(process.pid) if "agl.gateway" in _cmdline(pid)]
+    (gateway,) = [pid for pid in descendants(process.pid) if "agl.gateway" in _cmdline(pid)]
     os.kill(gateway, signal.SIGKILL)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr

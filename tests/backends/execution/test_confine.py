@@ -30,8 +30,8 @@ from agl.backends.execution.local.executor import LocalExecutor
 from agl.sandbox.launch import unavailable
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess
-from tests.core.controller.test_controller import group_final, new_group, running, specs
 from tests.helpers.confine_attack import PROBE
+from tests.helpers.controller import group_final, new_group, running, specs
 
 REPO = Path(__file__).resolve().parents[3]
 CHECKOUT = Path(agl.__file__).resolve().parents[1]

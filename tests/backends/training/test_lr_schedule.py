@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from agl.backends.training.lr_schedule import LrSchedule
 from agl.backends.training.torch import TorchBackend, TorchBackendConfig
-from tests.backends.training.test_torch_backend import make_model, random_batch, token_mean
+from tests.helpers.torch_models import make_model, random_batch, token_mean
 
 schedules = st.builds(
     LrSchedule,

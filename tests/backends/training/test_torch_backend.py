@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 
 from agl.backends.training.packing import packed_logprobs
 from agl.backends.training.torch import TorchBackend, TorchBackendConfig
@@ -20,9 +20,16 @@ from agl.backends.training.tree import additive_mask, linear_parents, token_logp
 from agl.core.contracts.samples import ModelCall, Sample, Sampling
 from agl.strategies.dedup import dedup
 from agl.strategies.registry import get
+from tests.helpers.torch_models import (
+    VOCAB_SIZE,
+    linear,
+    make_model,
+    one_thread,  # noqa: F401 - an autouse fixture
+    random_batch,
+    token_mean,
+)
 from tests.helpers.toy_traces import traces
 
-VOCAB_SIZE = 64
 METRICS = {
     "loss",
     "entropy",
@@ -41,50 +48,9 @@ METRICS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """These models are tiny: a second intra-op thread only adds spinning, and on a busy
-    machine (other test processes) OpenMP spin-waits make the module ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def make_model(
-    attn: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0
-) -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    config._attn_implementation = attn
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    return model.to(dtype).eval()
-
-
 @pytest.fixture(scope="module", params=["sdpa", "eager"])
 def model(request: pytest.FixtureRequest) -> Qwen2ForCausalLM:
     return make_model(request.param)
-
-
-def linear(
-    prompt: list[int], response: list[int], rollout: str, logprobs: list[float] | None = None
-) -> Sample:
-    return Sample(
-        tokens=prompt + response,
-        action_mask=[0] * len(prompt) + [1] * len(response),
-        logprobs=[0.0] * len(prompt) + (logprobs or [-1.0] * len(response)),
-        rollout_id=rollout,
-        group_id="g",
-    )
 
 
 def alone(model: torch.nn.Module, sample: Sample) -> torch.Tensor:
@@ -100,10 +66,6 @@ def alone(model: torch.nn.Module, sample: Sample) -> torch.Tensor:
             position_ids=torch.tensor(sample.position_ids)[None],
         ).logits[0]
         return token_logprobs(logits, tokens, sample.parents)
-
-
-def token_mean(samples: list[Sample]) -> list[list[float]]:
-    return get("loss", "token_mean")(samples)
 
 
 def unit_weights(samples: list[Sample]) -> list[list[float]]:
@@ -146,17 +108,6 @@ def capture_grads() -> Iterator[Callable[[TorchBackend], list[dict[str, torch.Te
         return seen
 
     yield attach
-
-
-def random_batch(rng: random.Random, rollouts: int) -> list[Sample]:
-    """Linear samples (a rollout may have several) with random tokens and lengths."""
-    samples = []
-    for r in range(rollouts):
-        for _ in range(rng.randint(1, 2)):
-            prompt = [rng.randrange(1, VOCAB_SIZE) for _ in range(rng.randint(1, 8))]
-            response = [rng.randrange(1, VOCAB_SIZE) for _ in range(rng.randint(1, 8))]
-            samples.append(linear(prompt, response, f"r{r}"))
-    return samples
 
 
 def with_behaviour(

@@ -22,7 +22,7 @@ from agl.backends.training.penalties import kl_penalty
 from agl.backends.training.torch import TorchBackend, TorchBackendConfig
 from agl.core.contracts.samples import NO_TRANSFORM, Sample, Sampling
 from agl.strategies.registry import get
-from tests.backends.training.test_torch_backend import VOCAB_SIZE, linear, make_model, one_thread  # noqa: F401
+from tests.helpers.torch_models import VOCAB_SIZE, linear, make_model, one_thread  # noqa: F401
 
 HOT = Sampling(temperature=0.7)
 NUCLEUS = Sampling(temperature=0.7, top_p=0.9)

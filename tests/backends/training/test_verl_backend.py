@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -78,44 +77,10 @@ from agl.backends.training.verl.loss import actor_config
 from agl.backends.training.verl.policy import VerlPolicy
 from agl.core.contracts.samples import Sample
 from agl.strategies.registry import get
+from tests.helpers.verl_batches import CLIP_HIGH, CLIP_LOW, PAD, linear_samples, make_batch
 
 CHECKS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LOSSES = ("token_mean", "seq_mean", "rollout_mean")
-CLIP_LOW, CLIP_HIGH = 0.2, 0.28
-PAD = 0
-
-
-# ----------------------------------------------------------------------------- samples
-
-
-@st.composite
-def linear_samples(draw: st.DrawFn, vocab: int = 1000) -> Sample:
-    n = draw(st.integers(2, 14))
-    mask = draw(st.lists(st.sampled_from([0, 1]), min_size=n, max_size=n))
-    tokens = draw(st.lists(st.integers(1, vocab - 1), min_size=n, max_size=n))
-    logprobs = [-draw(st.floats(0.0, 5.0, allow_nan=False, width=32)) if a else 0.0 for a in mask]
-    rollout = draw(st.sampled_from(["r0", "r1", "r2", "r3"]))
-    return Sample(tokens, mask, logprobs, rollout_id=rollout, group_id="g" + rollout[-1])
-
-
-def make_batch(seed: int, rollouts: int, max_samples: int = 3, vocab: int = 1000) -> tuple:
-    """Samples of ``rollouts`` rollouts (1..max_samples each, multi-turn masks) and
-    advantages (one per rollout, broadcast to its samples, as the rollout strategy does)."""
-    rng = random.Random(seed)
-    samples, advantages = [], []
-    for r in range(rollouts):
-        advantage = rng.uniform(-1.5, 1.5)
-        for _ in range(rng.randint(1, max_samples)):
-            n = rng.randint(5, 16)
-            prompt = rng.randint(1, 4)
-            # a multi-turn response: model tokens with a tool/user stretch (mask 0) inside
-            mask = [0] * prompt + [1 if rng.random() < 0.7 else 0 for _ in range(n - prompt)]
-            mask[-1] = 1
-            tokens = [rng.randrange(3, vocab) for _ in range(n)]
-            logprobs = [-rng.uniform(0.5, 4.0) if a else 0.0 for a in mask]
-            samples.append(Sample(tokens, mask, logprobs, rollout_id=f"r{r}", group_id="g"))
-            advantages.append(advantage)
-    return samples, advantages
 
 
 # ----------------------------------------------------------------------------- 1. layout

@@ -48,9 +48,8 @@ from agl.backends.training.torch import TorchBackend, TorchBackendConfig
 from agl.backends.training.verl.config import VerlBackendConfig
 from agl.backends.training.verl.ray import RayVerlPolicy, start_ray
 from agl.strategies.registry import get
-from tests.backends.training.test_verl_backend import CLIP_HIGH, CLIP_LOW
-from tests.backends.training.test_verl_sampling import SAMPLED, sampled_batch
 from tests.helpers.train_runs import run_train, trained_two_steps
+from tests.helpers.verl_batches import CLIP_HIGH, CLIP_LOW, SAMPLED, sampled_batch
 
 RANKS = 2
 # Marks every process this module's Ray starts (they inherit the environment), so the

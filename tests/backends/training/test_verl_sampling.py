@@ -23,7 +23,6 @@ Skipped where verl is not installed.
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,7 +43,6 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 import agl.strategies.loss  # noqa: F401  (registers the loss strategies)
 from agl.backends.inference.models import load_model
 from agl.backends.sampling import logprobs_under
-from agl.backends.training.packing import packed_logprobs
 from agl.backends.training.penalties import entropy_of
 from agl.backends.training.torch import TorchBackend, TorchBackendConfig
 from agl.backends.training.verl.config import VerlBackendConfig
@@ -59,18 +57,19 @@ from agl.backends.training.verl.sampling import (
 )
 from agl.core.contracts.samples import NO_TRANSFORM, Sample, Sampling
 from agl.strategies.registry import get
-from tests.backends.training.test_verl_backend import (
+from tests.helpers.verl_batches import (
     CLIP_HIGH,
     CLIP_LOW,
+    HOT,
+    NUCLEUS,
     PAD,
+    SAMPLED,
+    TOP_K,
     linear_samples,
-    make_batch,
+    sampled_batch,
 )
 
 CHECKS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-HOT = Sampling(temperature=0.7)
-NUCLEUS = Sampling(top_p=0.9)
-TOP_K = Sampling(top_k=20)
 TRANSFORMS = [NO_TRANSFORM, HOT, NUCLEUS, TOP_K, Sampling(0.0), Sampling(1.3, 0.8, 7)]
 
 
@@ -204,41 +203,6 @@ def tiny() -> torch.nn.Module:
     return load_model("tiny").model.eval()
 
 
-def sampled_batch(
-    model: torch.nn.Module, seed: int, transforms: list[Sampling], noise: float = 0.05
-) -> tuple[list[Sample], list[float]]:
-    """``make_batch``'s layout with every action token drawn from the model under a
-    transform picked per token from ``transforms`` (so it is in a truncation's support),
-    recorded with the model's own logprob under it plus noise (a mismatched engine)."""
-    samples, advantages = make_batch(seed, rollouts=4, max_samples=2)
-    rng = random.Random(seed)
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for s in samples:
-        tokens = list(s.tokens)
-        per_token = [rng.choice(transforms) if a else NO_TRANSFORM for a in s.action_mask]
-        for i in range(1, len(tokens)):
-            if s.action_mask[i]:
-                with torch.no_grad():
-                    logits = model(torch.tensor([tokens[:i]])).logits[0, -1:].float()
-                probs = logprobs_under(logits, [per_token[i]])[0].exp()
-                tokens[i] = int(torch.multinomial(probs, 1, generator=generator))
-        out.append(dataclasses.replace(s, tokens=tokens, sampling=per_token))
-    with torch.no_grad():
-        own = packed_logprobs(model, out)
-    recorded = [
-        dataclasses.replace(
-            s,
-            logprobs=[
-                float(x) + rng.uniform(-noise, noise) if a else 0.0
-                for x, a in zip(lp.tolist(), s.action_mask, strict=True)
-            ],
-        )
-        for s, lp in zip(out, own, strict=True)
-    ]
-    return recorded, advantages
-
-
 Grads = list[dict[str, torch.Tensor]]
 
 
@@ -324,7 +288,6 @@ def shifted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     return state, folder
 
 
-SAMPLED = [NO_TRANSFORM, HOT, NUCLEUS, TOP_K]
 _TOKENIZER = load_model("tiny").tokenizer
 CASES: dict[str, tuple[list[Sampling], str, dict[str, Any]]] = {
     "temperature 0.7 and 1.0": ([NO_TRANSFORM, HOT], "token_mean", {}),

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +27,10 @@ from agl.backends.execution.local.config import LocalExecutorConfig
 from agl.backends.execution.local.executor import LocalExecutor
 from agl.core.client import AsyncGatewayClient, GatewayClient
 from agl.core.contracts.execution import LOST, NO_STATUS, ORPHANED, STOPPED, Exit, Launch
-from agl.core.contracts.failures import failure_cause
 from agl.core.contracts.records import Rollout, Status
 from agl.core.controller.reconcile import Controller
 from agl.testing.processes import GatewayProcess, free_port, gateway_process
+from tests.helpers.controller import group_final, new_group, running, specs, wait_until
 
 REPO = Path(__file__).resolve().parents[3]
 HARNESSES = "tests.helpers.controller_harnesses"
@@ -45,36 +43,6 @@ def executor(tmp_path: Path, harness: str, **options: Any) -> LocalExecutor:
     return LocalExecutor(config)
 
 
-def specs(group: str, inputs: list[dict[str, Any]], **spec: Any) -> list[dict[str, Any]]:
-    return [
-        {"rollout_id": f"{group}-{i}", "group_id": group, "input": data, **spec}
-        for i, data in enumerate(inputs)
-    ]
-
-
-def final(r: Rollout) -> bool:
-    """Terminal for good: succeeded, failed by its agent (never retried), or failed with
-    no attempt left."""
-    if r.status is not Status.FAILED:
-        return r.status is Status.SUCCEEDED
-    cause = failure_cause(r.status, r.error, has_reward=False)
-    return r.attempt == r.max_attempts or (cause is not None and cause.agent)
-
-
-async def wait_until(check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 30.0) -> None:
-    """Poll ``check`` (plain or async) every 50 ms until it holds."""
-    deadline = time.monotonic() + timeout_s
-
-    async def holds() -> bool:
-        result = check()
-        return await result if inspect.isawaitable(result) else result
-
-    while not await holds():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.05)
-
-
 def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -82,52 +50,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-@asynccontextmanager
-async def running(
-    gateway: GatewayProcess, ex: LocalExecutor
-) -> AsyncIterator[tuple[Controller, AsyncGatewayClient]]:
-    """A controller running ``ex`` in the background, and an admin client; the
-    controller is cancelled on exit (which must close the executor)."""
-    async with httpx.AsyncClient() as http:
-        client = AsyncGatewayClient(gateway.url, gateway.token, http=http)
-        controller = Controller(client, ex, gateway_url=gateway.url, model="policy", poll_s=0.02)
-        task = asyncio.create_task(controller.run())
-        try:
-            await wait_until(lambda: _started(task, ex))
-            yield controller, client
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-
-async def _started(task: asyncio.Task[None], ex: LocalExecutor) -> bool:
-    if task.done():
-        task.result()  # raises what ended it
-    return ex.free_slots > 0
-
-
-async def group_final(
-    client: AsyncGatewayClient, group: str, n: int, timeout_s: float = 30.0
-) -> list[Rollout]:
-    """The group's rollouts once all ``n`` are final (waits up to ``timeout_s``)."""
-    out: list[Rollout] = []
-
-    async def check() -> bool:
-        out[:] = await client.list_rollouts(group_id=group)
-        return len(out) == n and all(map(final, out))
-
-    await wait_until(check, timeout_s)
-    return sorted(out, key=lambda r: int(r.rollout_id.rsplit("-", 1)[1]))
-
-
 async def seen_keys(client: AsyncGatewayClient, rollouts: list[Rollout]) -> list[str]:
     events = await asyncio.gather(*(client.get_events(r.rollout_id, type="seen") for r in rollouts))
     assert all(e.data["pool"] for batch in events for e in batch), "harness lacked the pool"
     return [e.data["key"] for batch in events for e in batch]
-
-
-def new_group() -> str:
-    return f"g{uuid.uuid4().hex[:8]}"
 
 
 # -- python harness through the controller ----------------------------------------------

@@ -11,9 +11,7 @@ records nothing.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import anthropic
@@ -27,9 +25,10 @@ from agl.core.gateway.dialects import ANTHROPIC
 from agl.core.trainer.calls import read_calls
 from agl.strategies.registry import get
 from agl.testing.fake_vllm import EOS, FakeVllm, completion_for, encode, logprob, prompt_ids
-from agl.testing.processes import GatewayProcess, gateway_process, serve_process
+from agl.testing.processes import GatewayProcess
 from agl.ui.views import timeline
-from tests.conftest import agent, anthropic_agent, model_requests, vllm_text
+from tests.conftest import agent, anthropic_agent, model_requests
+from tests.helpers.tiny_gateway import Tiny, start, tiny, tiny_admin  # noqa: F401 - fixtures
 
 PROMPT = "The capital of France is"
 
@@ -199,46 +198,11 @@ def _decode(ids: list[int]) -> str:
 # --- over the embedded server on the tiny model -----------------------------------------
 
 
-@dataclass(frozen=True)
-class Tiny:
-    gateway: GatewayProcess
-    url: str  # the server's OpenAI base URL
-    model: str
-    tokenizer: Any
-
-    def text(self, ids: list[int]) -> str:
-        return vllm_text(self.tokenizer, ids)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tiny]:
-    from agl.backends.inference.models import load_model
-
-    tokenizer = load_model("tiny").tokenizer
-    with (
-        serve_process("tiny", max_context=1024) as server,
-        gateway_process(tmp_path_factory.mktemp("tiny_gateway")) as gw,
-        GatewayClient(gw.url, gw.token) as client,
-    ):
-        client.register_models([{"model": server.model, "endpoint": server.url}])
-        yield Tiny(gw, server.url, server.model, tokenizer)
-
-
-@pytest.fixture
-def tiny_admin(tiny: Tiny) -> Iterator[GatewayClient]:
-    with GatewayClient(tiny.gateway.url, tiny.gateway.token) as client:
-        yield client
-
-
-def start(admin: GatewayClient) -> Rollout:
-    rollout_id = f"tiny-{uuid.uuid4().hex[:12]}"
-    admin.create_rollouts([{"rollout_id": rollout_id, "group_id": "g", "input": {}}])
-    return admin.patch_rollout(rollout_id, "running")
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_tiny_model_text_completions_are_trainable(
-    tiny: Tiny, tiny_admin: GatewayClient, stream: bool
+    tiny: Tiny,  # noqa: F811
+    tiny_admin: GatewayClient,  # noqa: F811
+    stream: bool,
 ) -> None:
     r = start(tiny_admin)
     client = agent(tiny.gateway, r)
@@ -262,7 +226,8 @@ def test_tiny_model_text_completions_are_trainable(
 
 
 def test_tiny_model_count_tokens_is_the_messages_prompt(
-    tiny: Tiny, tiny_admin: GatewayClient
+    tiny: Tiny,  # noqa: F811
+    tiny_admin: GatewayClient,  # noqa: F811
 ) -> None:
     """count_tokens answers the length of the prompt the same messages call is sampled
     from, tools and system included."""
@@ -286,7 +251,7 @@ def test_tiny_model_count_tokens_is_the_messages_prompt(
     assert counted.input_tokens == len(call["prompt_ids"]) > 0
 
 
-def test_tiny_server_completions_directly(tiny: Tiny) -> None:
+def test_tiny_server_completions_directly(tiny: Tiny) -> None:  # noqa: F811
     """The embedded server's own route, as vLLM shapes it: ids on the choice,
     completions-style logprobs, stop strings, token-id prompts, one choice per chunk."""
     with openai.OpenAI(base_url=tiny.url, api_key="unused", max_retries=0) as client:
@@ -349,7 +314,7 @@ def test_tiny_server_completions_directly(tiny: Tiny) -> None:
         assert refused.status_code == 400 and why in refused.json()["error"]["message"], bad
 
 
-def test_tiny_server_tokenize_agrees_with_chat(tiny: Tiny) -> None:
+def test_tiny_server_tokenize_agrees_with_chat(tiny: Tiny) -> None:  # noqa: F811
     root = tiny.url.removesuffix("/v1")
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     chat = httpx.post(

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from agl.testing.processes import GatewayProcess, gateway_process
-from tests.core.gateway.test_slow_clients import connect, head, status, until_closed
+from tests.helpers.raw_http import connect, head, status, until_closed
 
 TOKEN = "test-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}

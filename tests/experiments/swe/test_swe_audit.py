@@ -15,7 +15,7 @@ from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess
 from experiments.swe.audit import labelled_set, rules_flag, score
 from experiments.swe.rules import ELSEWHERE, commands_of, edited_tests
-from tests.core.controller.test_controller import new_group
+from tests.helpers.controller import new_group
 
 PAPERS_FOUR = ("git-history", "curl-upstream", "wget-upstream", "pip-download", "urllib-fetch")
 

@@ -41,8 +41,8 @@ from experiments.swe.instances import Instance
 from experiments.swe.make import MakeOptions, make_project
 from experiments.swe.projects import load_projects
 from experiments.swe.sandbox import GIT_REFUSED
-from tests.core.controller.test_controller import group_final, new_group, running, specs
-from tests.experiments.swe.test_swe_sandbox import CONCATENATED, FRAME_WALK
+from tests.helpers.controller import group_final, new_group, running, specs
+from tests.helpers.forged_outcomes import CONCATENATED, FRAME_WALK
 
 REPO = Path(__file__).resolve().parents[3]
 SDISTS = Path("~/.cache/agl/sdists").expanduser()
