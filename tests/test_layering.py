@@ -25,7 +25,9 @@ statement, the lazy ones inside functions and those under ``TYPE_CHECKING`` incl
 10. an experiment imports no private name (``_name``) of another experiment: what they
     share is public in its owner, or in the agent SDK;
 11. the controller (``agl/core/controller/``) never imports the agent SDK: it hands an
-    attempt an environment (``AgentEnv``, a contract), not the harness's library.
+    attempt an environment (``AgentEnv``, a contract), not the harness's library;
+12. no test file (``tests/**/test_*.py``) imports another: what tests share lives in
+    ``tests/helpers/`` (or a ``conftest.py``), so a file runs, moves and fails alone.
 
 Each rule is a pure function over an import graph; the last tests feed them graphs that
 break each rule, so that a rule which stopped catching anything would fail here.
@@ -135,6 +137,28 @@ def import_graph() -> dict[str, frozenset[str]]:
 def name_imports() -> dict[str, frozenset[tuple[str, str]]]:
     modules = frozenset(parsed())
     return {name: frozenset(imported_names(tree, modules)) for name, tree in parsed().items()}
+
+
+def suite_import_graph() -> dict[str, frozenset[str]]:
+    """The graph of the suite's own modules (not the harnesses' installed packages)."""
+    paths = sorted(
+        p
+        for p in (ROOT / "tests").rglob("*.py")
+        if not {".venv", "node_modules"} & set(p.relative_to(ROOT).parts)
+    )
+    trees = {module_name(p): ast.parse(p.read_text(), str(p)) for p in paths}
+    modules = frozenset(trees)
+    return {name: frozenset(imported(tree, modules)) - {name} for name, tree in trees.items()}
+
+
+def imports_of_test_files(graph: Graph) -> list[tuple[str, str]]:
+    """(module, test file) for every import of a test file by another module."""
+    return sorted(
+        (source, target)
+        for source, targets in graph.items()
+        for target in targets
+        if target.rpartition(".")[2].startswith("test_")
+    )
 
 
 def cycles(graph: Graph) -> list[list[str]]:
@@ -368,6 +392,12 @@ def test_the_controller_never_imports_the_agent_sdk(graph: Graph) -> None:
     assert controller_reaches(graph) == []
 
 
+def test_no_test_file_imports_another() -> None:
+    graph = suite_import_graph()
+    assert "tests.helpers.shared" in graph["tests.conftest"]
+    assert imports_of_test_files(graph) == []
+
+
 # -- the rules catch what they are for ----------------------------------------------------
 
 
@@ -507,3 +537,16 @@ def test_a_controller_importing_the_agent_sdk_is_caught() -> None:
         "agl.backends.execution.worker": frozenset({"agl.agent"}),  # an executor may
     }
     assert controller_reaches(broken) == [("agl.core.controller.reconcile", "agl.agent")]
+
+
+def test_a_test_file_importing_another_is_caught() -> None:
+    broken = {
+        "tests.strategies.test_merge_retok": frozenset(
+            {"tests.strategies.test_merge", "tests.helpers.sample_positions"}
+        ),
+        "tests.strategies.test_merge": frozenset({"tests.helpers.sample_positions"}),
+        "tests.helpers.sample_positions": frozenset(),
+    }
+    assert imports_of_test_files(broken) == [
+        ("tests.strategies.test_merge_retok", "tests.strategies.test_merge")
+    ]
