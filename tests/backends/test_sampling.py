@@ -118,6 +118,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_an_unchanged_policy_has_ratio_one_through_the_gateway(
     tiny: Tiny,  # noqa: F811

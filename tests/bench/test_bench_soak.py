@@ -11,6 +11,7 @@ from bench.attacks import ATTACKS, MUST_REFUSE
 from bench.soak import Settings, comparison, measure, refused, server_errors
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_hostile_soak_loses_nothing_and_refuses_every_forged_reward() -> None:
     quiet, hostile = measure(

@@ -291,6 +291,7 @@ VALUES = st.recursive(
 )
 
 
+@pytest.mark.slow
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.lists(st.dictionaries(st.text(max_size=6), VALUES), min_size=1, max_size=4))
 def test_rows_that_are_fine_read_as_they_were_written(tmp_path: Path, rows: list[dict]) -> None:
@@ -445,6 +446,7 @@ def test_dataset_limits_are_named_and_positive(tmp_path: Path, limits: dict, mes
     assert load(path, dataset_limits={"max_rows": 5}).train_rows == 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "overrides", "message"),
     [

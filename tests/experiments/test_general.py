@@ -487,6 +487,7 @@ def _sandboxes() -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @needs_root
 def test_a_short_run_trains_on_what_the_sandboxed_agents_left(tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -505,6 +506,7 @@ def test_a_short_run_trains_on_what_the_sandboxed_agents_left(tmp_path: Path) ->
     assert [p.name for p in (run / "workspaces").iterdir()] == [".tables"]
 
 
+@pytest.mark.slow
 @needs_root
 def test_a_step_through_kubernetes_jobs_makes_each_sandbox_in_its_job(tmp_path: Path) -> None:
     """conf/controller/general_k8s.yaml with the test's paths: each Job runs the harness,
@@ -551,6 +553,7 @@ def test_a_step_through_kubernetes_jobs_makes_each_sandbox_in_its_job(tmp_path: 
     assert [p.name for p in (run / "workspaces").iterdir()] == [".tables"]
 
 
+@pytest.mark.slow
 @needs_root
 @pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
 def test_no_sandbox_outlives_a_stopped_run(tmp_path: Path, how: str) -> None:

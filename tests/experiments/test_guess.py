@@ -345,6 +345,7 @@ def play_in_process(agent: AgentContext) -> None:
         asyncio.run(run(agent.to_env()))
 
 
+@pytest.mark.slow
 def test_the_harness_plays_through_the_gateway(stack: Stack) -> None:
     agent = stack.attempt({"target": 5, **OPTIONS, **SAMPLING})
     play_in_process(agent)
@@ -526,6 +527,7 @@ def drift(replies: list[Reply]) -> str:
     return f"{sum(not r.canonical for r in replies)}/{len(replies)} replies noncanonical"
 
 
+@pytest.mark.slow
 def test_the_warmed_model_guesses_uniformly(warmed: Warmed) -> None:
     """First guesses at temperature 1: "maybe N", N near-uniform over the range."""
     first = Game.from_input({"target": 1, **OPTIONS, **SAMPLING, "max_turns": 1})

@@ -302,6 +302,7 @@ GAMES = 20_000
 TOLERANCE = 0.015
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", [HOUSE, UNIFORM], ids=["house", "uniform"])
 @pytest.mark.parametrize("player", [uniform_random, consistent_random])
 def test_random_players_score_the_same_in_the_harness(

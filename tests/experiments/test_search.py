@@ -229,6 +229,7 @@ def test_the_warm_up_plays_invented_places_through_the_harness() -> None:
     assert len(rows(windowed, "all")) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
 def test_no_retriever_outlives_a_stopped_run(tmp_path: Path, how: signal.Signals) -> None:

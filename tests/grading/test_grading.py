@@ -32,6 +32,7 @@ needs_confinement = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 @needs_confinement
 def test_the_grader_sets_the_reward_and_the_agents_cannot(
     gateway: GatewayProcess, fake: FakeVllm, tmp_path: Path

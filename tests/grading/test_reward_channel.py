@@ -30,6 +30,7 @@ from tests.helpers.tool_attack import ATTACK
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(unavailable() is not None, reason=f"cannot confine here: {unavailable()}")
 def test_a_tool_with_everything_it_can_reach_cannot_set_its_reward(
     gateway: GatewayProcess, fake: FakeVllm, tmp_path: Path

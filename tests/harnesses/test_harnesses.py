@@ -208,6 +208,7 @@ def run_mini_swe_agent(
     return exit_status, calls, workdir
 
 
+@pytest.mark.slow
 def test_mini_swe_agent(
     harness_gateway: GatewayProcess,
     admin: GatewayClient,
@@ -222,6 +223,7 @@ def test_mini_swe_agent(
     assert_recorded(admin, rollout, calls, served)
 
 
+@pytest.mark.slow
 def test_mini_swe_agent_runs_tool_calls(tmp_path: Path) -> None:
     """On a scripted fake endpoint that does call the bash tool, mini-swe-agent runs the
     command, sends back its assistant turn and the tool's result through the proxy, and

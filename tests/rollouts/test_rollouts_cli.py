@@ -221,6 +221,7 @@ def test_ls_lists_every_rollout_with_its_numbers(gateway: GatewayProcess, plante
     assert rows[planted.id("queued")][header.index("time")] == "-"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -241,6 +242,7 @@ def test_ls_filters(
     assert planted.cases(ids_of(out)) == expected
 
 
+@pytest.mark.slow
 def test_ls_sorts_and_limits(gateway: GatewayProcess, planted: Planted) -> None:
     by_reward = ok(cli(gateway, "ls", "--group", planted.group, "--sort", "reward"))
     order = ["gitlog", "failed", "repeat", "curl", "length", "clean", "nocalls", "val", "queued"]
@@ -530,6 +532,7 @@ def one_line_error(done: subprocess.CompletedProcess[str], message: str) -> None
     assert done.stderr.startswith("agl.rollouts: ") and message in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_errors_are_one_line(gateway: GatewayProcess, planted: Planted, tmp_path: Path) -> None:
     dead = Endpoint(f"http://127.0.0.1:{free_port()}", gateway.token)
     one_line_error(cli(dead, "ls"), f"cannot reach the gateway at {dead.url}")
@@ -673,6 +676,7 @@ def explained(real_run: tuple[Path, GatewayProcess]) -> dict[str, Explanation]:
     return out
 
 
+@pytest.mark.slow
 def test_show_run_explains_a_real_retokenization(
     real_run: tuple[Path, GatewayProcess], explained: dict[str, Explanation], tmp_path: Path
 ) -> None:
@@ -712,6 +716,7 @@ def test_show_run_explains_a_real_retokenization(
     assert recorded != trained and recorded.replace("|", "") == trained.replace("|", "")
 
 
+@pytest.mark.slow
 def test_scan_run_flags_where_the_merge_broke(
     real_run: tuple[Path, GatewayProcess], explained: dict[str, Explanation]
 ) -> None:

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from agl.core.client import GatewayClient
 from agl.core.contracts.execution import AGENT_LOG_EVENT
 from agl.core.contracts.records import EventIn
@@ -78,6 +80,7 @@ def raw(text: str) -> list[str]:
     return sorted({c for c in text if c != "\n" and not c.isprintable()})
 
 
+@pytest.mark.slow
 def test_show_prints_control_characters_escaped(gateway: GatewayProcess) -> None:
     _, rid = planted(gateway)
     for args in ((), ("--full",), ("--messages", "5", "--full")):

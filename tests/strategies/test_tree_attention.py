@@ -38,6 +38,7 @@ def logprobs_alone(model: Qwen2ForCausalLM, call: ModelCall) -> torch.Tensor:
     return token_logprobs(logits, sequence, linear_parents(len(sequence)))[len(call.prompt_ids) :]
 
 
+@pytest.mark.slow
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -242,6 +242,7 @@ def test_distinct_runs_get_distinct_labels_naming_the_choices_that_differ(
                 assert f"{name}=" not in label
 
 
+@pytest.mark.slow
 def test_a_real_sweep(tmp_path: Path) -> None:
     """Two one-step runs of ``agl.train -m`` (about 20 s), then the report on their folder."""
     sweep = tmp_path / "sweep"

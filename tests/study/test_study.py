@@ -47,6 +47,7 @@ def mini(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_the_miniature_runs_every_setting_at_every_seed(mini: Path) -> None:
     for setting in ("rollout+rollout_mean", "sample+token_mean"):
         for seed in (0, 1):
@@ -78,6 +79,7 @@ def test_the_report_has_intervals_bands_and_statements(mini: Path) -> None:
     assert "val_reward.png" in (mini / "report" / "index.html").read_text()
 
 
+@pytest.mark.slow
 def test_a_second_start_skips_the_finished_runs(mini: Path) -> None:
     done = _study("mini", "--out", str(mini))
     assert done.returncode == 0, done.stderr

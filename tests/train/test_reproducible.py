@@ -55,6 +55,7 @@ def twice(short_run: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
     return short_run, train_run(tmp_path_factory.mktemp("again") / "run", *SHORT_RUN)
 
 
+@pytest.mark.slow
 def test_the_same_seed_samples_the_same_tokens_in_every_call(twice: tuple[Path, Path]) -> None:
     first, second = (_calls(run) for run in twice)
     assert first.keys() == second.keys()

@@ -30,6 +30,7 @@ def _compose(overrides: list[str]):
         return compose(config_name="train", overrides=SMALL + overrides)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_short_run_trains_and_serves_the_new_weights(tmp_path: Path, mode: str) -> None:
     schedule = ["backend.lr_scheduler_type=cosine", "backend.lr=1e-3"]
@@ -58,6 +59,7 @@ def test_a_short_run_trains_and_serves_the_new_weights(tmp_path: Path, mode: str
         assert len(call["logprobs"]) == len(call["response_ids"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sampling",
     [
@@ -79,6 +81,7 @@ def test_the_first_step_scores_what_was_sampled(tmp_path: Path, sampling: list[s
     assert {c["sampling"]["top_p"] for c in calls} == {0.9 if len(sampling) > 1 else 1.0}
 
 
+@pytest.mark.slow
 def test_backend_verl_trains_through_verls_actor(tmp_path: Path) -> None:
     """``backend=verl``: verl's own actor update (its FSDP2 engine, in-process on CPU)
     trains the module the embedded server serves. A subprocess: verl starts a process
@@ -102,6 +105,7 @@ def test_backend_verl_without_verl_is_a_one_line_error_before_anything_starts(
         backend_config({"name": "verl", "lr": 1e-3}, steps=2)
 
 
+@pytest.mark.slow
 def test_resume_continues_without_recounting(tmp_path: Path) -> None:
     train(_compose([]), tmp_path)
     history = train(_compose(["trainer.steps=3", "resume=true"]), tmp_path)
@@ -121,6 +125,7 @@ def test_bad_choices_are_one_line_errors() -> None:
     assert "unknown loss 'nope'" in result.stderr
 
 
+@pytest.mark.slow
 def test_multirun_sweeps_two_strategies(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     result = subprocess.run(
@@ -175,6 +180,7 @@ def test_multirun_sweeps_two_strategies(tmp_path: Path) -> None:
                 assert cell["samples"] == 1 and cell["breaks"] == ""
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
 def test_nothing_outlives_a_stopped_run(tmp_path: Path, how: signal.Signals) -> None:
@@ -219,6 +225,7 @@ def _taken_port() -> socket.socket:
     return taken
 
 
+@pytest.mark.slow
 def test_a_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
     with _taken_port() as taken:
         port = taken.getsockname()[1]
@@ -226,6 +233,7 @@ def test_a_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
     assert error == f"agl.train: gateway port {port} on 127.0.0.1 is in use"
 
 
+@pytest.mark.slow
 def test_an_inference_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
     with _taken_port() as taken:
         port = taken.getsockname()[1]
@@ -234,6 +242,7 @@ def test_an_inference_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
     assert error.startswith(expected)
 
 
+@pytest.mark.slow
 def test_a_missing_vllm_is_a_one_line_error(tmp_path: Path) -> None:
     error = one_line_error(
         tmp_path / "run", "inference=vllm", f"inference.python={tmp_path / 'no-vllm' / 'python'}"
@@ -241,6 +250,7 @@ def test_a_missing_vllm_is_a_one_line_error(tmp_path: Path) -> None:
     assert error.startswith("agl.train: inference=vllm: vLLM's python is not found; install")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_run_carries_on_when_its_gateway_is_killed(tmp_path: Path) -> None:
     """kill -9 of the gateway while agents call through it: the run restarts it on its

@@ -832,6 +832,7 @@ def logged_in(
     return page, problems
 
 
+@pytest.mark.slow
 def test_a_browser_clicks_from_the_list_to_a_break_and_its_group(
     browser: Any, trained_run: Path, tmp_path: Path
 ) -> None:
@@ -897,6 +898,7 @@ def test_a_browser_logs_in_and_out(browser: Any, gateway: GatewayProcess) -> Non
     page.close()
 
 
+@pytest.mark.slow
 def test_under_stitch_the_rollout_page_shows_where_a_prompt_was_changed(
     trained_run: Path, tmp_path: Path
 ) -> None:

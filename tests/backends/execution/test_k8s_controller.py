@@ -192,6 +192,7 @@ def rollout_specs(inputs: dict[str, dict[str, Any]], **spec: Any) -> list[dict[s
 # -- the loop ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_jobs_run_attempts_and_report_their_outcomes(
     cluster: ApiServer, namespace: str, gateway: GatewayProcess, node: NodeSimulator
 ) -> None:
@@ -296,6 +297,7 @@ def test_the_key_lives_in_a_secret_only(
     assert base64.b64decode(secret["data"]["report-key"]).decode() == report_key
 
 
+@pytest.mark.slow
 def test_a_graded_task_is_graded_in_its_job_by_the_grader_alone(
     cluster: ApiServer, namespace: str, gateway: GatewayProcess, node: NodeSimulator
 ) -> None:
@@ -348,6 +350,7 @@ def test_a_graded_task_is_graded_in_its_job_by_the_grader_alone(
 # -- restarts and faults ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_restarted_controller_adopts_the_jobs_and_launches_nothing_twice(
     cluster: ApiServer, namespace: str, gateway: GatewayProcess, node: NodeSimulator
 ) -> None:
@@ -389,6 +392,7 @@ async def recorded_log(client: AsyncGatewayClient, rollout_id: str) -> AgentLog:
     return log
 
 
+@pytest.mark.slow
 def test_a_failed_jobs_log_and_its_reason_outlive_the_job(
     cluster: ApiServer, namespace: str, gateway: GatewayProcess, node: NodeSimulator
 ) -> None:
@@ -632,6 +636,7 @@ def test_orphans_are_deleted_and_lost_attempts_failed(
 # -- the whole loop ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_training_through_kubernetes_jobs(
     cluster: ApiServer, namespace: str, node: NodeSimulator, tmp_path: Path
 ) -> None:
@@ -674,6 +679,7 @@ def test_training_through_kubernetes_jobs(
     assert not jobs(cluster, namespace) and not secrets(cluster, namespace)
 
 
+@pytest.mark.slow
 def test_the_controller_service_runs_jobs_and_stops_on_sigterm(
     cluster: ApiServer,
     namespace: str,

@@ -121,6 +121,7 @@ def breaks(run_dir: Path) -> list[BreakDetail]:
     return found
 
 
+@pytest.mark.slow
 def test_a_qwen3_folder_trains_and_its_template_splits_every_later_call(
     tmp_path: Path, data: dict[str, Path]
 ) -> None:
@@ -141,6 +142,7 @@ def test_a_qwen3_folder_trains_and_its_template_splits_every_later_call(
     assert (config["name"], config["path"]) == ("hf", str(folder))
 
 
+@pytest.mark.slow
 def test_a_llama_folder_trains_on_verl_and_drifts_only_where_it_ended_with_eom(
     tmp_path: Path, data: dict[str, Path]
 ) -> None:
@@ -164,6 +166,7 @@ def test_a_llama_folder_trains_on_verl_and_drifts_only_where_it_ended_with_eom(
             assert b.before[-1] == "<|eom_id|>" and "<|eot_id|>" in b.after
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_verls_ray_workers_load_the_model_from_its_path(
     tmp_path: Path, data: dict[str, Path]
@@ -178,6 +181,7 @@ def test_verls_ray_workers_load_the_model_from_its_path(
     assert not (run_dir / "verl" / "hf_model").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_qwen3_folder_on_vllm_serves_the_trained_weights(
     tmp_path: Path, data: dict[str, Path]
@@ -199,6 +203,7 @@ def test_a_qwen3_folder_on_vllm_serves_the_trained_weights(
     assert "'tool_call_parser': 'hermes'" in log  # the model's parser, as the embedded one
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_smollm2_by_the_path_of_its_converted_folder_with_its_own_template(
     tmp_path: Path, data: dict[str, Path]
@@ -239,6 +244,7 @@ def one_line(run_dir: Path, *overrides: str) -> str:
     return result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_what_cannot_be_loaded_is_one_line(tmp_path: Path, data: dict[str, Path]) -> None:
     files = dataset(data)
     missing = one_line(tmp_path / "a", "model=hf", f"model.path={tmp_path}/nope", *files)
@@ -274,6 +280,7 @@ def test_a_chat_template_file_replaces_the_folders_own(tmp_path: Path) -> None:
     assert loaded.name == "llama" and loaded.max_context == 1024
 
 
+@pytest.mark.slow
 def test_agl_serve_serves_a_folder_with_its_template_and_tool_parser(tmp_path: Path) -> None:
     """``python -m agl.serve model=hf path=<folder>``: the model under its folder's name,
     a chat with tools and a tool-call history rendered by the folder's own template."""

@@ -304,6 +304,7 @@ async def attacker(env: Mapping[str, str]) -> None:
         await agent.finish(reward=1.0, metrics=metrics, http=http)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_agents_of_a_training_run_cannot_call_its_inference_directly(tmp_path: Path) -> None:
     """``python -m agl.train``: every agent calls the trainer's embedded server directly

@@ -461,6 +461,7 @@ def train_tool_caller(loaded: LoadedModel, served: Served) -> torch.nn.Module:
     return model.eval()
 
 
+@pytest.mark.slow
 def test_update_weights_mid_traffic_then_tool_calls(served: Served) -> None:
     """Generations running when the weights change finish under the old weights (and
     say so); the swap waits for them; later calls use the new weights: here a model
@@ -746,6 +747,7 @@ def test_the_openai_client_with_a_wrong_key_is_told_why(served: Served) -> None:
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
 
 
+@pytest.mark.slow
 def test_the_command_line_requires_the_key_it_is_given(tmp_path: Path) -> None:
     """``AGL_INFERENCE_KEY`` in agl.serve's environment: calls without it get 401, calls
     with it are answered, and the key is in none of what the server printed."""
@@ -804,6 +806,7 @@ def test_the_command_line_help_says_how_clients_send_the_key() -> None:
     assert "key_file=" in done.stdout
 
 
+@pytest.mark.slow
 def test_the_command_line_serves() -> None:
     bad = subprocess.run(
         [sys.executable, "-m", "agl.serve", "prot=1"], capture_output=True, text=True, timeout=60
@@ -862,6 +865,7 @@ def test_calls_through_the_gateway_proxy_are_recorded(served: Served, tmp_path: 
         assert max(abs(a - b) for a, b in zip(event["logprobs"], want, strict=True)) < TOLERANCE
 
 
+@pytest.mark.slow
 def test_impossible_engine_options_fail_in_one_line() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "agl.serve", "max_batch_size=0"],

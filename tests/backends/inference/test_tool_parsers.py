@@ -138,6 +138,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_the_parsers_read_what_vllms_parsers_of_the_same_name_read(
     folders: dict[str, Path],
 ) -> None:

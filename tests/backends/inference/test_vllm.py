@@ -209,6 +209,7 @@ def max_diff(model: torch.nn.Module, call: dict[str, Any]) -> float:
     return float((expected - torch.tensor(call["logprobs"])).abs().max())
 
 
+@pytest.mark.slow
 def test_a_unary_call_is_recorded_exactly(served: Served) -> None:
     r = rollout_on(served)
     answer = agent(served, r).chat.completions.create(
@@ -244,6 +245,7 @@ GUARDED_ROUTES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "path", "body"), GUARDED_ROUTES, ids=[r[1] for r in GUARDED_ROUTES]
 )
@@ -308,6 +310,7 @@ def test_a_streamed_call_with_a_tool_is_recorded_exactly(served: Served) -> None
     assert diff < LOGPROB_TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sampling",
     [{"temperature": 0.7}, {"temperature": 0.7, "top_p": 0.9}, {"extra_body": {"top_k": 20}}],
@@ -342,6 +345,7 @@ def test_an_unchanged_policy_has_ratio_one_on_vllm(
     assert metrics["clip_fraction"] == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "rule",
     [
@@ -459,6 +463,7 @@ def test_a_rollout_sticks_to_one_replica(served: Served) -> None:
         assert len(calls) == 2
 
 
+@pytest.mark.slow
 def test_publish_reaches_every_replica(served: Served) -> None:
     """Perturb the trainer's module in place, publish: each replica's next call is scored
     by the perturbed model, not the old one; then the original weights go back."""
@@ -542,6 +547,7 @@ def test_attach_to_running_servers(served: Served) -> None:
 # ------------------------------------------------------------------- agl.train on vLLM
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # a whole run, vLLM's start included, as its subprocess
 @pytest.mark.parametrize("backend", ["torch", "verl"])
 def test_agl_train_runs_on_vllm(tmp_path: Path, backend: str) -> None:

@@ -309,6 +309,7 @@ def test_rollout_advantage_conventions_examples(estimator, groups, expected):
 # ----------------------------------------------------------------------------- KL estimators
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", [k + plus for k in KL_KINDS for plus in ("", "+")])
 @CHECKS
 @given(

@@ -78,6 +78,7 @@ def _gone(tag: str, timeout_s: float = 30.0) -> list[psutil.Process]:
     return left
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_agl_train_runs_verl_on_two_ray_ranks(tmp_path: Path) -> None:
     """``python -m agl.train backend=verl backend.ranks=2``: a subprocess (it starts its
@@ -188,6 +189,7 @@ def trained(local_ray: None, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         policy.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_ranks_move_parameters_as_torch_backend(trained: dict) -> None:
     policy = trained["policy"]

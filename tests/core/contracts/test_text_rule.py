@@ -214,6 +214,7 @@ def recorded(case: Case, result: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "qwen3", "llama"])
 def test_both_engines_make_one_text_of_the_same_ids(tokenizers: dict[str, Path], name: str) -> None:
     python = find_vllm_python()
@@ -261,6 +262,7 @@ def test_the_check_finds_no_false_positive_and_catches_changed_ids(
     assert checked > 300 and caught / checked > 0.9, (caught, checked)
 
 
+@pytest.mark.slow
 def test_through_the_gateway_the_embedded_engine_records_its_rule(tmp_path: Path) -> None:
     """Unary and streamed calls with stop strings under three rules, through the real
     gateway to ``agl.serve``: each call records the rule it was answered under and the

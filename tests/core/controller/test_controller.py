@@ -138,6 +138,7 @@ def test_failures_retries_and_stats(gateway: GatewayProcess, tmp_path: Path) -> 
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_flooding_agent_is_throttled_alone_and_a_reward_counts_once(
     gateway: GatewayProcess, tmp_path: Path
 ) -> None:
@@ -590,6 +591,7 @@ def test_workers_die_with_a_killed_parent(tmp_path: Path) -> None:
     assert not any(map(alive, workers))
 
 
+@pytest.mark.slow
 def test_a_controller_killed_mid_batch_loses_nothing_and_launches_nothing_twice(
     tmp_path: Path,
 ) -> None:

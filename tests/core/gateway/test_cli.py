@@ -14,6 +14,7 @@ import pytest
 from agl.testing.processes import free_port, wait_healthy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [

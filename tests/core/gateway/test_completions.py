@@ -198,6 +198,7 @@ def _decode(ids: list[int]) -> str:
 # --- over the embedded server on the tiny model -----------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_tiny_model_text_completions_are_trainable(
     tiny: Tiny,  # noqa: F811

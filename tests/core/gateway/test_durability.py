@@ -158,6 +158,7 @@ def content_of(response: httpx.Response) -> str:
     return "".join(orjson.loads(c)["choices"][0]["delta"].get("content") or "" for c in chunks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_an_answer_lost_to_kill_9_is_replayed_to_the_retry(
     run_dir: Path, upstream: tuple[str, FakeVllm], fake: FakeVllm, stream: bool

@@ -221,6 +221,7 @@ FUZZ = settings(
 )
 
 
+@pytest.mark.slow
 def test_schema_conformance(api_schema: Any, target: Target) -> None:
     """Every operation of the schema, each with its own Hypothesis run (schemathesis's
     pytest plugin is not used: it reaches into pytest internals that pytest 9.2 changed)."""
@@ -500,6 +501,7 @@ NUMBERS = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(where=st.sampled_from(NUMERIC_QUERIES), value=NUMBERS)
 def test_no_numeric_query_value_is_a_server_error(

@@ -27,6 +27,7 @@ def delaying(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProces
         yield gateway
 
 
+@pytest.mark.slow
 def test_a_refusal_waits_while_the_gateway_serves_others(delaying: GatewayProcess) -> None:
     async def main() -> None:
         async with httpx.AsyncClient(base_url=delaying.url, timeout=60) as http:

@@ -141,6 +141,7 @@ def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway
         yield clean, stormy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_retry_storm_leaves_the_state_of_sending_each_call_once(
     gateways: tuple[GatewayProcess, GatewayProcess], seed: int

@@ -344,6 +344,7 @@ def logged_gateway(run_dir: Path, log_path: Path, **options: object) -> Iterator
         gateway.stop()
 
 
+@pytest.mark.slow
 def test_tokens_never_reach_the_log(tmp_path: Path, upstream: tuple[str, FakeVllm]) -> None:
     log_path = tmp_path / "gateway.log"
     with (

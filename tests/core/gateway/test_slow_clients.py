@@ -139,6 +139,7 @@ def test_half_a_body_is_answered_408_and_closed_on_every_kind_of_route(
     assert answers == {"proxy": 408, "events": 408, "admin": 408}
 
 
+@pytest.mark.slow
 def test_by_default_half_a_body_is_dropped_within_15_s(tmp_path: Path) -> None:
     """With the gateway's own options: its body timeout was 30 s, and the attack's
     connections were held past 20 s."""
