@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 
-def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
     """The folder ``build`` writes, built once per run: read it, never change it.
 
     The first process to ask builds it in the run's shared temporary folder (under xdist

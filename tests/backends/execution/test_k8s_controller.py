@@ -43,7 +43,7 @@ from agl.testing.k8s.node import NodeSimulator
 from agl.testing.processes import GatewayProcess, gateway_process
 
 REPO = Path(__file__).resolve().parents[3]
-AGENT = [sys.executable, str(REPO / "tests" / "k8s_agent.py")]
+AGENT = [sys.executable, str(REPO / "tests" / "helpers" / "k8s_agent.py")]
 SELECTOR = f"{MANAGED_BY}=agl"
 
 
