@@ -17,6 +17,7 @@ from experiments.swe.projects import load_projects
 SDISTS = Path("~/.cache/agl/sdists").expanduser()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(unavailable() is not None, reason=f"no namespaces here: {unavailable()}")
 @pytest.mark.parametrize("name", sorted(load_projects()))
 def test_an_honest_fix_earns_1_and_the_bug_0_on_every_project(tmp_path: Path, name: str) -> None:
