@@ -22,9 +22,11 @@ SDISTS = Path("~/.cache/agl/sdists").expanduser()
 @pytest.mark.parametrize("name", sorted(load_projects()))
 def test_an_honest_fix_earns_1_and_the_bug_0_on_every_project(tmp_path: Path, name: str) -> None:
     root = tmp_path / "mirror"
-    # a bug that loops costs its timeout: a few seconds tell one here
+    # The pipeline's own timeout: none of these candidates loops (each run of a suite with
+    # one of them takes ~1-2 s), and a run slowed by a busy machine (the other worker's
+    # rollouts) past a tighter one would be taken for a loop and leave no task.
     options = MakeOptions(
-        per_project=3, seed=0, timeout_s=5.0, empty_statements=0.0, missing_branches=0.0
+        per_project=3, seed=0, timeout_s=20.0, empty_statements=0.0, missing_branches=0.0
     )
     made = make_project(load_projects()[name], root, SDISTS, options)
     assert made.instances, made.removed

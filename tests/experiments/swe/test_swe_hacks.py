@@ -36,11 +36,10 @@ from agl.grading import GRADE_EVENT
 from agl.sandbox.launch import unavailable
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess
-from experiments.swe import mirror
+from experiments.swe import mirror, pipeline
 from experiments.swe.instances import Instance
-from experiments.swe.make import MakeOptions, make_project
-from experiments.swe.projects import load_projects
 from experiments.swe.sandbox import GIT_REFUSED
+from tests.helpers import swe_tasks
 from tests.helpers.controller import group_final, new_group, running, specs
 from tests.helpers.forged_outcomes import CONCATENATED, FRAME_WALK
 
@@ -53,13 +52,10 @@ needs_namespaces = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Instance]:
-    """One bug in schema (a real project, its real suite), made the pipeline's way."""
-    root = tmp_path_factory.mktemp("swe") / "mirror"
-    project = load_projects()["schema"]
-    options = MakeOptions(per_project=4, seed=0, empty_statements=0.0, missing_branches=0.0)
-    made = make_project(project, root, SDISTS, options)
-    assert made.instances, made.removed
-    return root, made.instances[0]
+    """One bug in schema (a real project, its real suite), made by the pipeline (once
+    per run: swe_tasks), in a copy of its own."""
+    out = swe_tasks.copy_made(tmp_path_factory, tmp_path_factory.mktemp("swe") / "swe")
+    return out / pipeline.MIRROR, swe_tasks.first_with_branch(out)
 
 
 @pytest.fixture(scope="module")

@@ -108,6 +108,48 @@ def test_the_listing_is_deterministic_and_labels_are_unique() -> None:
     assert len(set(m.source for m in mutations(SOURCE, "pkg/mod.py"))) == len(first)
 
 
+# Layouts a statement's code depends on: tabs, CRLF, no last newline, decorators and
+# comments, nested functions and classes, elif chains, one-line suites, semicolons,
+# continuation lines, a body left empty by a removal (written ``pass``).
+LAYOUTS = [
+    SOURCE,
+    "def f(x):\n\tif x < 1:\n\t\treturn 2\n\treturn x == 3\n",
+    "def f(x):\r\n    if x < 1:\r\n        return 2\r\n    return x == 3\r\n",
+    "def f(x):\n    if x < 1:\n        return 2\n    return x == 3",
+    "class A:\n  class B:\n    @staticmethod\n    # c\n    def g(a, b):\n"
+    "      def h():\n        return a < b\n      if a: return max(a, b)\n"
+    "      y = 1; return h() == y\n\n\nx = 1\n",
+    "def only(x):\n    if x:\n        y = 1\n",
+    "if True:\n    def f(a):\n        if a == 1:\n            return [\n                1,\n"
+    "   2]\n        elif a > 2:\n            return f(a, \\\n 3)\n        elif a:\n"
+    "            pass\n        else:\n            return 0\n",
+]
+
+
+@pytest.mark.parametrize("source", LAYOUTS)
+def test_each_module_is_the_one_the_whole_tree_writes_with_its_site_replaced(source: str) -> None:
+    """mutations() writes out only the statement a site is in; the module is the one
+    libcst writes from the whole tree with the site replaced, whatever the layout."""
+    import libcst as cst
+
+    from experiments.swe.mutations import _Sites
+
+    module = cst.parse_module(source)
+    finder = _Sites(KINDS)
+    module.visit(finder)
+    expected = []
+    for site in finder.sites:
+        after = module.deep_replace(site.node, site.replacement).code
+        if after != source:
+            try:
+                compile(after, "m.py", "exec")
+            except SyntaxError:
+                continue
+            expected.append((site.kind, site.function, after))
+    assert expected
+    assert [(m.kind, m.function, m.source) for m in mutations(source, "m.py")] == expected
+
+
 def test_no_candidates_in_a_module_that_does_not_parse_and_unknown_kinds_are_refused() -> None:
     assert list(mutations("def broken(:\n", "x.py")) == []
     with pytest.raises(ValueError, match="unknown mutation kinds"):

@@ -24,6 +24,7 @@ from agl.testing.k8s.api_server import ApiServer
 from agl.testing.k8s.node import NodeSimulator
 from agl.train import CONF, train
 from experiments.swe import pipeline
+from tests.helpers import swe_tasks
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -34,10 +35,11 @@ needs_namespaces = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Six bugs in one project, made, filtered and split by the pipeline."""
-    data = tmp_path_factory.mktemp("swe") / "swe"
+    """Eight candidate bugs in one project, made (once per run: swe_tasks), filtered and
+    split by the pipeline."""
+    data = swe_tasks.copy_made(tmp_path_factory, tmp_path_factory.mktemp("swe") / "swe")
     for argv in (
-        ["make", "--projects", "schema", "--per-project", "6", "--out", str(data)],
+        [*swe_tasks.MAKE, "--out", str(data)],  # made: skipped
         ["filter", "--out", str(data)],
         ["split", "--test", "1", "--out", str(data)],
     ):
@@ -57,7 +59,9 @@ def _train(tasks: Path, run: Path, *extra: str, steps: int = 2) -> list[dict[str
         f"trainer.steps={steps}",
         "trainer.groups_per_step=2",
         "trainer.group_size=2",
-        f"trainer.val_every={steps}",
+        # validation once, before the first step (a rollout graded like the others): an
+        # interval past the last step adds none after it
+        f"trainer.val_every={steps + 1}",
         "trainer.val_size=1",
         "logging.wandb=false",
         "logging.progress=false",
