@@ -27,6 +27,15 @@ pytest_plugins = ["tests.helpers.durations"]
 settings.register_profile("agl", deadline=None)
 settings.load_profile("agl")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    # One intra-op thread per worker: with one worker per core, torch's default (a thread
+    # per core) puts two spinning OpenMP threads in each worker, and every op waits on the
+    # thread the other worker's core is busy with (conf/backend/torch.yaml says the same
+    # of a run). The processes a test starts choose their own threads, as they would.
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def upstream() -> Iterator[tuple[str, FakeVllm]]:
