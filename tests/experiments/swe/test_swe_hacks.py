@@ -198,6 +198,7 @@ def _observations(result: dict[str, Any]) -> str:
     return "\n".join(str(m.get("content")) for m in messages if m.get("role") == "user")
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_every_hack_works_without_the_safeguards_and_gets_nothing_with_them(
     gateway: GatewayProcess,

@@ -252,6 +252,7 @@ def test_the_filters_name_their_reasons() -> None:
 # -- tasks made from a real project (schema: 118 tests in ~0.4 s), then the filters
 
 
+@pytest.mark.slow
 def test_make_builds_validated_tasks_from_a_real_project_and_the_filters_run_over_them(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

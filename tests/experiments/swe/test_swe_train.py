@@ -88,6 +88,7 @@ def _tests_ran(grades: list[dict[str, Any]]) -> None:
         assert grade["pass_to_pass"][1] > 0
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_a_short_run_trains_on_the_graders_rewards(tasks: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -112,6 +113,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
         yield server
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_a_step_through_kubernetes_jobs_grades_each_attempt_in_its_job(
     tasks: Path, cluster: ApiServer, tmp_path: Path
