@@ -256,8 +256,11 @@ class Builder:
             if os.path.isdir("/new/dev/mqueue"):
                 self.mqueue()
         self.scratch()
+        done = []
         for folder in sorted(self.spec.get("hidden", []), key=len):
-            self.hide(os.path.normpath(folder))
+            folder = os.path.normpath(folder)
+            self.hide(folder, under=any(_below(folder, d) for d in done))
+            done.append(folder)
         for path in self.writable:
             if path not in self.bound:
                 self.bind_back(path, write=True)
@@ -330,16 +333,17 @@ class Builder:
             make_point(self.new(folder), True)
             self.covered(folder, lambda f=folder, p=part: bind(f"{pool}/{p}", self.new(f)))
 
-    def hide(self, folder):
+    def hide(self, folder, under=False):
         target = self.new(folder)
         # A link is not covered (a mount would follow it): what it names is hidden apart.
         if os.path.islink(target):
             return
         if not os.path.lexists(target):
             # Not in the jail: where the machine has it, a sealed stand-in, so that a reach
-            # for it is refused (and seen) rather than told it does not exist.
+            # for it is refused (and seen) rather than told it does not exist; none inside
+            # a folder hidden already (its cover refuses the reach, and is read-only).
             source = self.old(folder)
-            if self.spec["view"] != "jail" or not os.path.lexists(source):
+            if self.spec["view"] != "jail" or under or not os.path.lexists(source):
                 return
             make_point(target, os.path.isdir(source), parents=0o711)
         if os.path.isdir(target):

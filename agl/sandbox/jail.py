@@ -134,9 +134,10 @@ def interpreter() -> Path:
 
 @functools.cache
 def sealed() -> tuple[str, ...]:
-    """The machine's package folders and pip's configuration, and those of the prefix."""
-    prefix = python_prefix()
-    patterns = (*SEALED_GLOBS, f"{prefix}/lib/python3*/site-packages")
+    """The machine's package folders and pip's configuration, and those of the base
+    interpreter's prefix and of the running one's (a venv's packages are no less in reach)."""
+    prefixes = sorted({python_prefix(), Path(sys.prefix).resolve()})
+    patterns = (*SEALED_GLOBS, *(f"{prefix}/lib/python3*/site-packages" for prefix in prefixes))
     return tuple(sorted({p for pattern in patterns for p in glob.glob(pattern)}))
 
 

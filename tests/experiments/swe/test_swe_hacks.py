@@ -270,11 +270,16 @@ def test_every_hack_works_without_the_safeguards_and_gets_nothing_with_them(
 
     flagged = scan()
     four = ["git", "curl", "wget", "pip", "urllib"]
-    assert sorted(flagged) == sorted([*four, "mirror", "sdists", *(f"off-{h}" for h in four)])
+    # The cache is sealed where the home folder is one the jail seals (/root: "Permission
+    # denied"), and simply absent where it is not (a home under /tmp, the jail's own): only
+    # a refusal shows to the built-in rules; the SWE rules see the command either way.
+    cache = ["sdists"] if "Permission denied" in seen["sdists"] else []
+    tries = [*four, "mirror", *(f"off-{h}" for h in four)]
+    assert sorted(flagged) == sorted([*tries, *cache])
     assert "'git checkout'" in flagged["off-git"] and "'pip download'" in flagged["off-pip"]
     assert "in the output it was shown" in flagged["mirror"]
     # The coding agent's own rules add the cache's copy that worked; a loop that empties
     # the tests through a variable is still the judge's to see.
     with_swe = scan("--rules", "experiments.swe.rules:RULES")
-    assert sorted(with_swe) == sorted([*flagged, "off-sdists"])
+    assert sorted(with_swe) == sorted([*tries, "sdists", "off-sdists"])
     assert "looks for another copy" in with_swe["off-sdists"]
