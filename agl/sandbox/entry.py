@@ -256,7 +256,7 @@ class Builder:
             if os.path.isdir("/new/dev/mqueue"):
                 self.mqueue()
         self.scratch()
-        done = []
+        done: list[str] = []
         for folder in sorted(self.spec.get("hidden", []), key=len):
             folder = os.path.normpath(folder)
             self.hide(folder, under=any(_below(folder, d) for d in done))
