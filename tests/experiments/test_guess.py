@@ -548,6 +548,7 @@ def test_the_warmed_model_guesses_uniformly(warmed: Warmed) -> None:
     assert chi2 < CHI2_BOUND, counts
 
 
+@pytest.mark.slow
 def test_the_warmed_model_is_a_random_player(warmed: Warmed) -> None:
     """Games at temperature 1 score like random play (1 - (7/8)^3 ≈ 0.33), and the
     guesses ignore the feedback: after "higher", the next guess is higher about as often
@@ -589,6 +590,7 @@ def test_induction_strings_are_written_twice_and_scored_on_the_repeat() -> None:
     assert torch.equal(ids, again)  # a function of its generator
 
 
+@pytest.mark.slow
 def test_the_warmed_model_copies_but_plays_blind(warmed: Warmed) -> None:
     """The warm-up's copying phase leaves a model that repeats a random string it has
     seen (an induction head: the skill reading the feedback needs) while the game phase

@@ -604,6 +604,7 @@ def real_run(
         yield short_run, gw
 
 
+@pytest.mark.slow
 def test_load_run_builds_what_the_run_trained_with(
     real_run: tuple[Path, GatewayProcess], tmp_path: Path
 ) -> None:
@@ -648,6 +649,7 @@ def test_load_run_refuses_what_is_not_a_run(
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.slow
 def test_ls_step_selects_a_training_step(real_run: tuple[Path, GatewayProcess]) -> None:
     _, gw = real_run
     step1 = ids_of(ok(cli(gw, "ls", "--step", "1")))

@@ -67,6 +67,7 @@ def test_the_same_seed_samples_the_same_tokens_in_every_call(twice: tuple[Path, 
             assert a["logprobs"] == pytest.approx(b["logprobs"], rel=1e-3, abs=1e-3)
 
 
+@pytest.mark.slow
 def test_every_call_is_sampled_under_its_own_seed(twice: tuple[Path, Path]) -> None:
     calls = _calls(twice[0])
     seeds = [c["seed"] for attempt in calls.values() for c in attempt]
@@ -79,6 +80,7 @@ def test_every_call_is_sampled_under_its_own_seed(twice: tuple[Path, Path]) -> N
     assert any(len(r) > 1 for r in replies.values())
 
 
+@pytest.mark.slow
 def test_the_same_seed_logs_the_same_metrics(twice: tuple[Path, Path]) -> None:
     first, second = (_metrics(run) for run in twice)
     assert [sorted(r) for r in first] == [sorted(r) for r in second]

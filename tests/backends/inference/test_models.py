@@ -243,6 +243,7 @@ def smollm2() -> LoadedModel:
     return loaded
 
 
+@pytest.mark.slow
 def test_smollm2_loads_from_its_cache(smollm2: LoadedModel) -> None:
     folder = default_cache_dir() / models.SMOLLM2_DIRNAME
     assert (folder / "config.json").is_file()
@@ -254,6 +255,7 @@ def test_smollm2_loads_from_its_cache(smollm2: LoadedModel) -> None:
     assert all(torch.equal(weights[k], again_weights[k]) for k in weights)
 
 
+@pytest.mark.slow
 def test_smollm2_is_eval_float32_with_chat_specials(smollm2: LoadedModel) -> None:
     model, tok = smollm2.model, smollm2.tokenizer
     assert not model.training
@@ -266,6 +268,7 @@ def test_smollm2_is_eval_float32_with_chat_specials(smollm2: LoadedModel) -> Non
     assert conf["max_context"] == smollm2.max_context
 
 
+@pytest.mark.slow
 def test_smollm2_plain_chat_renders_as_its_own_template(smollm2: LoadedModel) -> None:
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     assert apply(smollm2.tokenizer, chat, add_generation_prompt=True) == (
@@ -275,6 +278,7 @@ def test_smollm2_plain_chat_renders_as_its_own_template(smollm2: LoadedModel) ->
     )
 
 
+@pytest.mark.slow
 def test_smollm2_template_renders_tools_like_tiny(smollm2: LoadedModel, tiny: LoadedModel) -> None:
     for chat in (CHAT, CHAT[1:]):
         text = apply(smollm2.tokenizer, chat, tools=TOOLS, add_generation_prompt=True)
@@ -286,6 +290,7 @@ def test_smollm2_template_renders_tools_like_tiny(smollm2: LoadedModel, tiny: Lo
         assert text.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 def test_smollm2_answers_a_question(smollm2: LoadedModel) -> None:
     """A forward pass through dequantized weights that still know something."""
     tok = smollm2.tokenizer
