@@ -25,7 +25,6 @@ import hashlib
 import logging
 import time
 import uuid
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +59,7 @@ from agl.core.contracts.text_rule import (
 )
 from agl.core.gateway.admission import AdmissionGate, Ticket
 from agl.core.gateway.dialects import ANTHROPIC, Dialect, DialectError, StreamTranslator
+from agl.core.gateway.router import Router
 from agl.core.gateway.seeding import RequestSeeds
 from agl.core.gateway.store.base import PendingAnswer, Store
 from agl.core.gateway.upstream import Upstream, UpstreamUnavailable
@@ -72,30 +72,6 @@ PROXY_EVENT_TYPES = frozenset({MODEL_REQUEST, MODEL_REQUEST_FAILED})
 # vLLM's additions to an OpenAI answer; the harness gets the answer without them.
 _EXTRA_TOP = ("prompt_token_ids", "prompt_logprobs", "prompt_text", "kv_transfer_params")
 _EXTRA_CHOICE = ("token_ids", "prompt_token_ids", "prompt_logprobs")
-
-
-class Router:
-    """Chooses the endpoint of a call. A rollout sticks to one endpoint (its prefix cache)
-    by rendezvous hashing, which moves few rollouts when endpoints come or go."""
-
-    def __init__(self) -> None:
-        self._by_model: dict[str, list[ModelEndpoint]] = {}
-
-    def load(self, models: list[ModelEndpoint]) -> None:
-        by_model: dict[str, list[ModelEndpoint]] = {}
-        for m in models:
-            by_model.setdefault(m.model, []).append(m)
-        self._by_model = by_model
-
-    def pick(self, model: object, rollout_id: str) -> ModelEndpoint:
-        candidates = self._by_model.get(model) if isinstance(model, str) else None
-        if candidates is None:
-            # Harnesses often hard-code a model name; with one model served, any name is it.
-            if len(self._by_model) != 1:
-                names = ", ".join(sorted(self._by_model)) or "none"
-                raise ApiError(404, f"model {model!r} is not registered (registered: {names})")
-            (candidates,) = self._by_model.values()
-        return max(candidates, key=lambda m: zlib.crc32(f"{rollout_id}|{m.endpoint}".encode()))
 
 
 @dataclass

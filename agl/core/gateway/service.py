@@ -166,6 +166,8 @@ class Gateway:
             raise ApiError(
                 409, str(error), current=self.rolloutjson_response(error.current, admin)
             ) from None
+        if rollout.status is not Status.RUNNING:
+            self.proxy.router.forget(rollout_id)  # its endpoint's load drops
         return json_response(self.rolloutjson_response(rollout, admin))
 
     # -- the hot routes (also served by FastLane) -----------------------------------
@@ -246,6 +248,7 @@ class Gateway:
             await asyncio.sleep(interval_s)
             try:
                 for r in await self.store.expire_running(time.time(), "attempt timed out"):
+                    self.proxy.router.forget(r.rollout_id)
                     log.info(
                         "rollout %s attempt %d timed out after %.1f s",
                         r.rollout_id,

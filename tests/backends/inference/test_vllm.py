@@ -50,7 +50,7 @@ from agl.backends.inference.vllm import (
     prometheus_sum,
 )
 from agl.core.client import GatewayClient, proxy_base_url
-from agl.core.contracts.records import Rollout
+from agl.core.contracts.records import Rollout, Status
 from agl.core.gateway.proxy import Router
 from agl.testing.processes import GatewayProcess, gateway_process
 from tests.helpers.train_runs import run_train, trained_two_steps
@@ -166,12 +166,17 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 def rollout_on(served: Served, replica: int | None = None) -> Rollout:
-    """A running rollout; with ``replica``, one the gateway's router sends there."""
+    """A running rollout; with ``replica``, one the gateway's router sends there. The
+    rollouts made before are ended first: with no rollout placed, the gateway's router
+    places one where a fresh ``Router`` does (the least loaded is then a tie)."""
+    for running in served.admin.list_rollouts(status=Status.RUNNING):
+        served.admin.patch_rollout(running.rollout_id, "succeeded")
     router = Router()
     router.load(served.servers.model_endpoints())
     while True:
         rollout_id = f"r-{uuid.uuid4().hex[:12]}"
         endpoint = router.pick(NAME, rollout_id).endpoint
+        router.forget(rollout_id)  # each candidate placed as if first
         if replica is None or endpoint == served.servers.endpoints[replica]:
             break
     served.admin.create_rollouts([{"rollout_id": rollout_id, "group_id": "g"}])
