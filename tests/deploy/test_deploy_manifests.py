@@ -43,10 +43,12 @@ from agl.core.gateway.config import GatewayConfig
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S = DEPLOY / "k8s"
 NAMESPACE = "agl"
+AGENTS = "agl-agents"  # the agents' Jobs, Secrets and policy, and the controller's Role
 AGENT_GATEWAY_URL = "http://agl-gateway.agl.svc:8000"
 AGENT_LABELS = {MANAGED_BY: "agl", INSTANCE: "agl", ROLE: "agent"}
 EXPECTED = {
     ("Namespace", "agl"),
+    ("Namespace", "agl-agents"),
     ("PersistentVolumeClaim", "agl-gateway-data"),
     ("Service", "agl-gateway"),
     ("Deployment", "agl-gateway"),
@@ -118,7 +120,7 @@ def rendered_job(input_value: Any = None, key: str = "agl-attempt-key-xyz") -> d
     env = context.to_env()
     variables = {
         "name": name,
-        "namespace": NAMESPACE,
+        "namespace": AGENTS,
         "rollout_id": "r-1",
         "attempt": 1,
         "mode": "train",
@@ -130,7 +132,7 @@ def rendered_job(input_value: Any = None, key: str = "agl-attempt-key-xyz") -> d
     return own_job(
         render_job(text, variables),
         name=name,
-        namespace=NAMESPACE,
+        namespace=AGENTS,
         labels=labels,
         annotations={ROLLOUT_ID: "r-1", ATTEMPT: "1"},
         env=env,
@@ -207,7 +209,9 @@ def test_every_manifest_parses_and_lives_in_the_namespace() -> None:
     assert set(seen) == EXPECTED
     for path, doc in DOCS:
         assert doc.get("apiVersion"), path
-        if doc["kind"] != "Namespace":
+        if doc["kind"] in ("Role", "RoleBinding", "NetworkPolicy"):  # the agents'
+            assert doc["metadata"].get("namespace") == AGENTS, (path, doc["kind"])
+        elif doc["kind"] != "Namespace":
             assert doc["metadata"].get("namespace") == NAMESPACE, (path, doc["kind"])
     # `kubectl apply -f deploy/k8s/` must not apply the placeholder Secret.
     examples = [p for p, d in DOCS if d["kind"] == "Secret"]
@@ -316,7 +320,7 @@ def test_the_controller_command_parses_and_points_at_what_is_deployed() -> None:
     controller = container("agl-controller")
     config = parse_overrides(ControllerConfig, module_args(controller, "agl.controller"))
     assert config.executor == "k8s"
-    assert config.namespace == NAMESPACE
+    assert config.namespace == AGENTS
     assert not config.kubeconfig  # in-cluster: the ServiceAccount's token
     assert config.agent_gateway_url == AGENT_GATEWAY_URL
 
@@ -349,7 +353,7 @@ def test_the_agent_template_renders_to_a_locked_down_job() -> None:
     job = rendered_job(key=key)
     assert job["kind"] == "Job" and job["apiVersion"] == "batch/v1"
     assert job["metadata"]["name"] == job_name("agl", "r-1", 1)
-    assert job["metadata"]["namespace"] == NAMESPACE
+    assert job["metadata"]["namespace"] == AGENTS
     assert job["metadata"]["labels"]["agl.dev/mode"] == "train"
     spec = job["spec"]
     assert spec["backoffLimit"] == 0 and spec["activeDeadlineSeconds"] == 60
@@ -385,7 +389,7 @@ def test_the_agent_template_renders_to_a_locked_down_job() -> None:
 def test_the_static_network_policy_is_the_controllers() -> None:
     policy = find("NetworkPolicy", "agl-agent-egress")
     expected = egress_policy(
-        policy["metadata"]["name"], NAMESPACE, AGENT_LABELS, EgressConfig(), AGENT_GATEWAY_URL
+        policy["metadata"]["name"], AGENTS, AGENT_LABELS, EgressConfig(), AGENT_GATEWAY_URL
     )
     assert policy["spec"] == expected["spec"]
     assert policy["metadata"] == expected["metadata"]
@@ -397,6 +401,11 @@ def test_the_static_network_policy_is_the_controllers() -> None:
     (to_gateway,) = gateway_rule["to"]
     gateway_labels = find("Deployment", "agl-gateway")["spec"]["template"]["metadata"]["labels"]
     assert subset(to_gateway["podSelector"]["matchLabels"], gateway_labels)
+    # ... in the gateway's namespace, not the agents'.
+    gateway_namespace = find("Deployment", "agl-gateway")["metadata"]["namespace"]
+    assert to_gateway["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": gateway_namespace
+    }
     assert gateway_rule["ports"] == [
         {"protocol": "TCP", "port": container("agl-gateway")["ports"][0]["containerPort"]}
     ]

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from agl.backends.execution.k8s.pod import PodSettings
+
 
 @dataclass
 class EgressConfig:
@@ -18,6 +20,10 @@ class EgressConfig:
         default_factory=lambda: {"app.kubernetes.io/name": "agl-gateway"}
     )
     gateway_port: int | None = None  # None: the port of the agent-facing gateway URL
+    # The gateway's namespace when agents run in another (deploy/k8s: agl-agents, the
+    # gateway in agl); None: the one its URL names (``<service>.<namespace>.svc``), if any,
+    # else the agents' own.
+    gateway_namespace: str | None = None
     dns: bool = True
     allow: list[str] = field(default_factory=list)  # CIDRs agents may also reach
 
@@ -61,8 +67,28 @@ class K8sExecutorConfig:
     pod_log_bytes: int = 256 * 1024
     grader: str | None = None  # the task's (agl/grading/): each Job grades its attempt
     grading: GradingConfig = field(default_factory=GradingConfig)
+    # The agent's pod (``pod.PodSettings``, set over the template's values): its image, or
+    # each task's own where ``image_field`` names it in the rollout's input (SWE-smith's
+    # ``image_name``; missing or empty: ``image``, then the template's), each container's
+    # resources (``{requests: {cpu: "1"}, limits: {memory: 4Gi}}``, merged per key), the
+    # node selector, tolerations (added) and image pull Secrets (names, added).
+    image: str | None = None
+    image_field: str | None = None
+    resources: dict[str, dict[str, Any]] | None = None
+    node_selector: dict[str, str] | None = None
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    image_pull_secrets: list[str] = field(default_factory=list)
+    pod: PodSettings = field(init=False)
 
     def __post_init__(self) -> None:
+        self.pod = PodSettings(
+            image=self.image,
+            image_field=self.image_field,
+            resources=self.resources or {},
+            node_selector=self.node_selector or {},
+            tolerations=self.tolerations,
+            image_pull_secrets=self.image_pull_secrets,
+        )
         if isinstance(self.egress, Mapping):
             self.egress = EgressConfig(**self.egress)
         if isinstance(self.grading, Mapping):

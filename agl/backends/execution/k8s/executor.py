@@ -251,6 +251,7 @@ class K8sExecutor:
             ttl_after_finished_s=self.config.ttl_after_finished_s,
             grader=self.config.grader,
             grading=self.config.grading,
+            pod=self.config.pod,
         )
 
     # -- API calls (blocking; run on the pool) ------------------------------------------------

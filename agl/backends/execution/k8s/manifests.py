@@ -11,6 +11,7 @@ import copy
 import functools
 import ipaddress
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from agl.backends.execution.k8s.naming import (
     ROLLOUT_ID,
     rollout_label,
 )
+from agl.backends.execution.k8s.pod import PodSettings
 from agl.core.contracts.execution import Launch
 
 KEY_ENV = "OPENAI_API_KEY"
@@ -221,11 +223,12 @@ def job_manifest(
     ttl_after_finished_s: int,
     grader: str | None = None,
     grading: GradingConfig | None = None,
+    pod: PodSettings | None = None,
 ) -> dict[str, Any]:
-    """The attempt's Job: ``template`` rendered with the launch's variables, then owned.
-    ``labels`` are the executor's; the rollout's and the attempt's are added here. With
-    ``grader``, the grader gets the attempt's time anew after the harness, as locally:
-    the Job's deadline is twice it."""
+    """The attempt's Job: ``template`` rendered with the launch's variables, ``pod``'s
+    settings set over it, then owned. ``labels`` are the executor's; the rollout's and
+    the attempt's are added here. With ``grader``, the grader gets the attempt's time
+    anew after the harness, as locally: the Job's deadline is twice it."""
     env = launch.env
     input_value = orjson.loads(env["AGL_INPUT"]) if env.get("AGL_INPUT") else None
     variables = {
@@ -241,8 +244,11 @@ def job_manifest(
     time_s = launch.timeout_s or default_deadline_s
     graded = (grader, grading or GradingConfig(), time_s) if grader else None
     deadline = math.ceil(time_s * (2 if graded else 1))
+    job = render_job(template, variables)
+    if pod is not None:
+        pod.apply(job["spec"]["template"]["spec"], input_value)
     return own_job(
-        render_job(template, variables),
+        job,
         name=name,
         namespace=namespace,
         labels={
@@ -280,11 +286,27 @@ def secret_manifest(
 
 # -- the NetworkPolicy ----------------------------------------------------------------------
 
+# The label the API server sets on every Namespace to its name (Kubernetes 1.21 and later).
+NAMESPACE_NAME = "kubernetes.io/metadata.name"
+_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_SERVICE_HOST = re.compile(rf"{_LABEL}\.({_LABEL})\.svc(\..*)?")
+
+
+def gateway_namespace(egress: EgressConfig, host: str | None) -> str | None:
+    """The gateway's namespace: ``egress.gateway_namespace``, else the one a cluster
+    service host names (``agl-gateway.agl.svc[.cluster.local]``), else None (the agents')."""
+    if egress.gateway_namespace:
+        return egress.gateway_namespace
+    match = _SERVICE_HOST.fullmatch(host or "")
+    return match[2] if match else None
+
 
 def egress_policy(
     name: str, namespace: str, pod_labels: Mapping[str, str], egress: EgressConfig, gateway_url: str
 ) -> dict[str, Any]:
-    """Agents may reach the gateway, DNS and ``egress.allow``, nothing else."""
+    """Agents may reach the gateway, DNS and ``egress.allow``, nothing else. The gateway's
+    pods are selected in its namespace (:func:`gateway_namespace`) when it is not the
+    agents'."""
     url = urlsplit(gateway_url) if gateway_url else None
     port = egress.gateway_port or (url.port if url and url.port else None)
     if port is None and url is not None:
@@ -296,7 +318,11 @@ def egress_policy(
         address = ipaddress.ip_address(host or "")
         to_gateway.append({"ipBlock": {"cidr": f"{address}/{address.max_prefixlen}"}})
     if egress.gateway_pod_labels:
-        to_gateway.append({"podSelector": {"matchLabels": dict(egress.gateway_pod_labels)}})
+        peer: dict[str, Any] = {"podSelector": {"matchLabels": dict(egress.gateway_pod_labels)}}
+        elsewhere = gateway_namespace(egress, host)
+        if elsewhere and elsewhere != namespace:
+            peer["namespaceSelector"] = {"matchLabels": {NAMESPACE_NAME: elsewhere}}
+        to_gateway.append(peer)
     rules: list[dict[str, Any]] = []
     if to_gateway:
         rules.append({"to": to_gateway, **({"ports": ports} if ports else {})})
