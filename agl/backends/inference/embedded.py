@@ -30,7 +30,8 @@ class EmbeddedServer:
 
     ``api_key`` is required on every route but ``/health`` (``Authorization: Bearer``);
     None serves anyone who can connect, so it has no default: the trainer passes its
-    run's key (``agl.core.run.build.inference_key``)."""
+    run's key (``agl.core.run.build.inference_key``). ``kv_cache_gib`` bounds the engine's
+    KV cache (None: unbounded); ``paused()`` frees it while the trainer trains."""
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class EmbeddedServer:
         num_threads: int | None = None,
         tool_parser: str | None = "hermes",
         api_key: str | None,
+        kv_cache_gib: float | None = None,
     ) -> None:
         self.engine = Engine(
             model,
@@ -54,6 +56,7 @@ class EmbeddedServer:
             max_context=max_context,
             seed=seed,
             num_threads=num_threads,
+            kv_cache_gib=kv_cache_gib,
         )
         self.name = name
         self.api_key = api_key

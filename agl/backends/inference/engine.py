@@ -23,6 +23,20 @@ distribution it was sampled from: ``agl.backends.sampling``'s transform (tempera
 top-k and top-p, renormalised; plain ``log_softmax`` for greedy), which the training
 backends apply to the same tokens.
 
+Memory: with ``kv_cache_gib`` every KV tensor the engine holds at once (the slab, a
+prefill's own cache, a relayout's copy of the window) stays within the budget. A request
+is admitted only if the running rows and it, each grown to its longest possible length
+(prompt + ``max_tokens``, capped by the context), fit in half the budget as one slab; the
+other half covers the transients. A request that does not fit waits (first come, first
+served); one that could never fit fails at once with a one-line error. The slab's rows and
+columns are sized per allocation within the budget. ``paused()`` (a weight update, a
+training step) frees the slab: the trainer gets that memory; the next prefill makes a new
+one.
+
+Device: the engine runs where the model's parameters are, read before every prefill, so
+the model may be moved (e.g. by the training backend) after the engine is built, while no
+sequence runs (before the first request or inside ``paused()``).
+
 Weights change only between generations: ``update_weights`` stops admitting, waits for
 the running sequences to finish, swaps, bumps ``policy_version`` and resumes. A generation
 therefore never mixes two policies, and reports the version that sampled all its tokens.
@@ -254,8 +268,9 @@ class _Slab:
     """The running batch's KV cache and per-row state. Columns ``[start, end)`` are the
     attention window; row ``b``'s tokens occupy its last columns up to ``end``."""
 
-    capacity: int  # rows
+    capacity: int = 0  # rows
     columns: int = 0
+    layers: int = 0  # the model's (known once a prefill ran)
     rows: int = 0
     start: int = 0
     end: int = 0
@@ -283,7 +298,10 @@ class Engine:
         policy_version: int = 0,
         seed: int = 0,
         num_threads: int | None = None,
+        kv_cache_gib: float | None = None,
     ) -> None:
+        if kv_cache_gib is not None and not kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be positive, not {kv_cache_gib}")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, not {max_batch_size}")
         if max_context is not None and max_context < 1:
@@ -291,7 +309,7 @@ class Engine:
         self.model = model.eval()
         # an HF model's PretrainedConfig (nn.Module's __getattr__ types it as a tensor)
         self.config: Any = model.config
-        self.device = next(model.parameters()).device
+        self.kv_cache_budget_bytes = None if kv_cache_gib is None else int(kv_cache_gib * 2**30)
         self.max_batch_size = max_batch_size
         self.max_context = max_context or int(
             getattr(self.config, "max_position_embeddings", 0) or 2048
@@ -302,7 +320,11 @@ class Engine:
         self.stats = EngineStats()
         self._check_full_attention()
         self._num_threads = num_threads
-        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._seed = seed
+        # Device state, made for the model's device before the first prefill (_follow_model).
+        self.device: torch.device | None = None
+        self._generator = torch.Generator()
+        self._cell_bytes = 0  # KV bytes of one token of one row (all layers, keys and values)
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self._pending: deque[Generation] = deque()
@@ -311,10 +333,10 @@ class Engine:
         self._active = 0  # rows admitted and not yet removed (guarded by _cv)
         self._closed = False
         self._rows: list[_Row] = []
-        self._slab = _Slab(max_batch_size)
+        self._slab = _Slab()
         # Per row of the slab: the next position id and the next input token.
-        self._positions = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
-        self._next = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
+        self._positions = torch.zeros(max_batch_size, dtype=torch.long)
+        self._next = torch.zeros(max_batch_size, dtype=torch.long)
         self._thread = threading.Thread(target=self._run, name="agl-engine", daemon=True)
         self._thread.start()
 
@@ -338,6 +360,10 @@ class Engine:
             next(self._ids), list(prompt_ids), params, stream, asyncio.get_running_loop()
         )
         generation._engine = self
+        too_big = self._never_fits(generation)
+        if too_big:
+            generation._fail(EngineError(too_big))
+            return generation
         with self._cv:
             if self._closed:
                 raise EngineError("the engine is closed")
@@ -350,6 +376,12 @@ class Engine:
     def running(self) -> int:
         """Sequences admitted and not finished."""
         return self._active
+
+    @property
+    def kv_cache_allocated(self) -> int:
+        """Bytes of the KV slab now allocated (keys, values and their mask; 0 when freed)."""
+        s = self._slab
+        return sum(t.nbytes for t in s.keys + s.values) + s.mask.nbytes
 
     @property
     def admitting(self) -> bool:
@@ -383,13 +415,16 @@ class Engine:
     def paused(self, timeout: float | None = None) -> Iterator[None]:
         """Hold admission and wait until no generation runs; the model is the caller's
         inside the block. Raises ``TimeoutError`` if generations still run after
-        ``timeout`` seconds (admission then resumes)."""
+        ``timeout`` seconds (admission then resumes). The KV cache is freed for the block
+        (nothing runs, so the engine thread does not touch it)."""
         with self._cv:
             self._paused += 1
             if not self._cv.wait_for(lambda: self._active == 0 or self._closed, timeout):
                 self._paused -= 1
                 self._cv.notify_all()
                 raise TimeoutError(f"generations still running after {timeout} s")
+            if self._active == 0:  # (closed, a step may still be running)
+                self._free_slab()
         try:
             yield
         finally:
@@ -432,6 +467,7 @@ class Engine:
                 busy_from = time.perf_counter()
                 try:
                     if admitted:
+                        self._follow_model()
                         self._prefill(admitted)
                     # After the prefill: a request cancelled right after admission is in it.
                     self._drop_cancelled(cancelled)
@@ -456,18 +492,104 @@ class Engine:
         )
 
     def _admit(self) -> list[Generation]:
-        """Waiting requests that fit in the batch, first come first served (guarded)."""
+        """Waiting requests that fit in the batch and the KV budget, first come first
+        served (guarded)."""
         if self._paused:
             return []
         admitted: list[Generation] = []
         free = self.max_batch_size - len(self._rows)
+        rows = len(self._rows)
+        longest = max((self._final_length(r.generation) for r in self._rows), default=0)
         while self._pending and self._pending[0].params.n <= free:
+            head = self._pending[0]
+            grown = max(longest, self._final_length(head))
+            if not self._fits(rows + head.params.n, grown):
+                if rows:
+                    break  # waits until running rows finish
+                # Alone it does not fit: the budget's estimate grew (the real layout).
+                self._pending.popleft()
+                _call_on_loop(head, head._fail, EngineError(self._too_big(head)))
+                continue
             generation = self._pending.popleft()
             generation.policy_version = self.policy_version
             admitted.append(generation)
             free -= generation.params.n
+            rows += generation.params.n
+            longest = grown
         self._active += self.max_batch_size - len(self._rows) - free
         return admitted
+
+    # ------------------------------------------------------------ the KV budget
+
+    def _final_length(self, generation: Generation) -> int:
+        """The most tokens one of its sequences can reach."""
+        return min(len(generation.prompt_ids) + generation.params.max_tokens, self.max_context)
+
+    def _slab_cells(self) -> int | None:
+        """Row-columns the running slab may have (half the budget), None: unbounded."""
+        if self.kv_cache_budget_bytes is None:
+            return None
+        if not self._cell_bytes:
+            self._cell_bytes = _config_cell_bytes(self.config, next(self.model.parameters()))
+        return self.kv_cache_budget_bytes // self._cell_bytes // 2
+
+    def _fits(self, rows: int, longest: int) -> bool:
+        """``rows`` sequences of up to ``longest`` tokens fit in the slab's half (the
+        window is shared: every row is right-aligned, so it is as wide as the longest
+        row, plus the column a decode step writes)."""
+        cells = self._slab_cells()
+        return cells is None or rows * (longest + 1) <= cells
+
+    def _never_fits(self, generation: Generation) -> str | None:
+        if self._fits(generation.params.n, self._final_length(generation)):
+            return None
+        return self._too_big(generation)
+
+    def _too_big(self, generation: Generation) -> str:
+        need = generation.params.n * (self._final_length(generation) + 1) * self._cell_bytes * 2
+        return (
+            f"the request needs {need / 2**30:.2f} GiB of KV cache (n={generation.params.n} "
+            f"x {self._final_length(generation)} tokens, twice for prefill headroom); "
+            f"kv_cache_gib is {(self.kv_cache_budget_bytes or 0) / 2**30:g}: lower max_tokens or n"
+        )
+
+    def _shape(self, rows: int, width: int) -> tuple[int, int]:
+        """(row capacity, columns) of a new slab for ``rows`` rows and a ``width``-column
+        window: columns double until there is room for the window twice (rare moves),
+        within the budget; admission guarantees ``rows * (width + 1)`` fits (the floors
+        only matter if the config's KV estimate was short of the real layout)."""
+        columns = max(self._slab.columns, _INITIAL_COLUMNS)
+        while columns < 2 * width + 1:
+            columns *= 2
+        cells = self._slab_cells()
+        if cells is None:
+            return self.max_batch_size, columns
+        columns = max(min(columns, cells // rows), width + 1)
+        return max(min(self.max_batch_size, cells // columns), rows), columns
+
+    def _free_slab(self) -> None:
+        """Drop the KV buffers (only while no row runs); the next prefill allocates."""
+        s = self._slab
+        s.keys, s.values, s.cache = [], [], None
+        s.mask = torch.zeros((0, 0), dtype=torch.bool)
+        s.capacity = s.columns = s.rows = s.start = s.end = 0
+
+    # ------------------------------------------------------------ the device
+
+    def _follow_model(self) -> None:
+        """Make the per-row state where the model is now (it may have moved since the
+        last batch: the trainer moves it after building the engine)."""
+        device = next(self.model.parameters()).device
+        if device == self.device:
+            return
+        if self._rows:
+            raise EngineError(f"the model moved to {device} while sequences ran on {self.device}")
+        self._free_slab()
+        self._cell_bytes = 0  # the dtype may have changed too
+        self.device = device
+        self._positions = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)
+        self._next = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)
+        self._generator = torch.Generator(device=device).manual_seed(self._seed)
 
     def _drop_cancelled(self, cancelled: list[tuple[Generation, tuple[int, ...]]]) -> None:
         if not cancelled:
@@ -484,6 +606,7 @@ class Engine:
     def _prefill(self, generations: list[Generation]) -> None:
         """One forward over the new prompts (left-padded), their first tokens sampled,
         their KV copied into the running batch (once per prompt, shared by its n rows)."""
+        assert self.device is not None  # _follow_model ran
         width = max(len(g.prompt_ids) for g in generations)
         ids = torch.full((len(generations), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(generations), width), dtype=torch.bool)
@@ -513,7 +636,7 @@ class Engine:
                 generated=0,
                 max_new=min(g.params.max_tokens, self.max_context - len(g.prompt_ids)),
                 stop_ids=frozenset() if g.params.ignore_eos else self.eos_ids,
-                generator=_seeded(g.params.seed, i, self.device),
+                generator=_seeded(g.params.seed, i, ids.device),
                 stream=g._stream,
             )
             for g in generations
@@ -530,7 +653,7 @@ class Engine:
         """One token for every running row, in one forward pass."""
         s = self._slab
         if s.end + 1 > s.columns:
-            self._relayout(0)
+            self._relayout(0, s.rows)
         b = s.rows
         s.mask[:b, s.end] = True
         out = self.model(
@@ -629,34 +752,42 @@ class Engine:
 
     # ------------------------------------------------------------ the KV slab
 
-    def _allocate(self, like: torch.Tensor, layers: int, columns: int) -> None:
+    def _allocate(self, like: torch.Tensor, layers: int, capacity: int, columns: int) -> None:
         """Make the slab's buffers (zeros: stale columns must hold finite numbers)."""
         s = self._slab
-        shape = (s.capacity, like.shape[1], columns, like.shape[3])
+        shape = (capacity, like.shape[1], columns, like.shape[3])
         s.keys = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(layers)]
         s.values = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(layers)]
-        s.mask = torch.zeros((s.capacity, columns), dtype=torch.bool, device=like.device)
-        s.columns = columns
+        s.mask = torch.zeros((capacity, columns), dtype=torch.bool, device=like.device)
+        s.capacity, s.columns = capacity, columns
         s.cache = Cache(layers=[_SlabLayer(s, i) for i in range(layers)])
+        # The real layout, in case the config's estimate was short (budget: stay within).
+        cell = 2 * layers * like.shape[1] * like.shape[3] * like.element_size() + 1
+        self._cell_bytes = max(self._cell_bytes, cell)
 
-    def _relayout(self, prompt_width: int) -> None:
+    def _relayout(self, prompt_width: int, rows: int, like: torch.Tensor | None = None) -> None:
         """Move the live window to the left edge so that it has ``prompt_width`` columns
         before ``end`` and as many again after it (so moves are rare: amortized O(1)
-        column per step); the buffers double when that does not fit."""
+        column per step); the buffers are made anew (within the budget) when that does
+        not fit or ``rows`` rows do not. ``like``: a prefill's keys, for the first slab."""
         s = self._slab
         live = s.end - s.start
         width = max(live, prompt_width)
         at = width - live
-        window = [buffer[: s.rows, :, s.start : s.end] for buffer in s.keys + s.values]
-        mask = s.mask[: s.rows, s.start : s.end]
-        if 2 * width + 1 > s.columns:
-            columns = max(s.columns, _INITIAL_COLUMNS)
-            while columns < 2 * width + 1:
-                columns *= 2
-            self._allocate(s.keys[0], len(s.keys), columns)
-        else:  # in place: the window may overlap where it goes, so copy it out first
-            window = [w.clone() for w in window]
-            mask = mask.clone()
+        # Copied out first: the window may overlap where it goes, or its buffers go.
+        window = [buffer[: s.rows, :, s.start : s.end].clone() for buffer in s.keys + s.values]
+        mask = s.mask[: s.rows, s.start : s.end].clone()
+        if not s.keys or 2 * width + 1 > s.columns or rows > s.capacity:
+            capacity, columns = self._shape(rows, width)
+            if (capacity, columns) != (s.capacity, s.columns):
+                source = s.keys[0] if s.keys else like
+                assert source is not None  # the first slab comes from a prefill
+                # Empty, not a view of the old buffer (a view would keep it alive).
+                template = source.new_empty((0, source.shape[1], 0, source.shape[3]))
+                kept = s.rows
+                self._free_slab()  # before the new buffers: never both at once
+                s.rows = kept
+                self._allocate(template, s.layers, capacity, columns)
         if s.rows:
             for buffer, old in zip(s.keys + s.values, window, strict=True):
                 buffer[: s.rows, :, at:width] = old
@@ -674,20 +805,20 @@ class Engine:
         for cached in cast(list[DynamicLayer], cache.layers):
             assert cached.keys is not None and cached.values is not None  # the prefill filled it
             layers.append((cached.keys, cached.values))
-        if not s.keys:
-            self._allocate(layers[0][0], len(layers), _INITIAL_COLUMNS)
+        s.layers = len(layers)
         if s.rows == 0:
             s.start = s.end = 0
-        if s.end < width or s.end + 1 > s.columns:
-            self._relayout(width)
+        rows = s.rows + len(source)
+        if not s.keys or s.end < width or s.end + 1 > s.columns or rows > s.capacity:
+            self._relayout(width, rows, like=layers[0][0])
         s.start = min(s.start, s.end - width)
-        lo, hi = s.rows, s.rows + len(source)
+        lo, hi = s.rows, rows
         for layer, (k, v) in enumerate(layers):
             s.keys[layer][lo:hi, :, s.end - width : s.end] = k[source]
             s.values[layer][lo:hi, :, s.end - width : s.end] = v[source]
         s.mask[lo:hi] = False
         s.mask[lo:hi, s.end - width : s.end] = mask[source]
-        self._positions[lo:hi] = torch.tensor(lengths, device=self.device)[source]
+        self._positions[lo:hi] = torch.tensor(lengths, device=self._positions.device)[source]
         s.rows = hi
 
     def _remove(self, indices: list[int]) -> None:
@@ -768,3 +899,13 @@ def _pad_id(model: torch.nn.Module, tokenizer: object) -> int:
         if isinstance(value, int):
             return value
     return 0
+
+
+def _config_cell_bytes(config: Any, parameter: torch.Tensor) -> int:
+    """KV bytes of one token of one row, from the config: keys and values of every layer
+    in the model's dtype, plus the slab mask's byte."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * parameter.element_size() + 1

@@ -2,12 +2,21 @@
 only (causal, or its ancestors for a tree sample), positions restart per sample, and only
 the logits rows that predict a wanted token are projected. Shared by the torch backend's
 update and its logprob recomputation; exact (tests/backends/training/test_torch_backend.py: a packed
-logprob equals the sample's alone)."""
+logprob equals the sample's alone).
+
+Packing is exact only where every layer is full attention, which the block-diagonal mask
+governs. A linear-attention or state-space layer (Qwen3-Next, Qwen3.5, Mamba hybrids)
+carries its state from one sample into the next, and a sliding-window layer loses its
+window to the explicit mask: for such a model (``packable`` is False) ``selected_logits``
+runs each sample of the packed row as its own forward (still exact, one pass per sample),
+and refuses tree samples, whose ancestor masks only attention layers can apply.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import transformers
@@ -46,6 +55,8 @@ class Packed:
     targets: torch.Tensor  # [K] long
     sample_index: list[int]
     token_index: list[int]
+    lengths: tuple[int, ...] = ()  # tokens per sample, in row order
+    has_trees: bool = False  # some sample brings its own ancestor mask
 
     @property
     def num_tokens(self) -> int:
@@ -103,24 +114,77 @@ def pack(
         targets=torch.tensor(targets, dtype=torch.long, device=device),
         sample_index=sample_index,
         token_index=token_index,
+        lengths=tuple(len(s.tokens) for s in samples),
+        has_trees=any(s.parents is not None for s in samples),
     )
 
 
+def packable(model: torch.nn.Module) -> bool:
+    """Whether one packed row is exact for ``model``: every layer is full attention (HF's
+    ``layer_types``; a config without them, e.g. Llama's, must have no sliding window)."""
+    text = _text_config(model)
+    types = getattr(text, "layer_types", None)
+    if types is not None:
+        return all(t == "full_attention" for t in types)
+    return getattr(text, "sliding_window", None) is None
+
+
+def layer_kinds(model: torch.nn.Module) -> list[str]:
+    """The distinct kinds of the model's layers (for messages)."""
+    text = _text_config(model)
+    types = getattr(text, "layer_types", None)
+    if types is None:
+        return ["sliding_attention" if getattr(text, "sliding_window", None) else "full_attention"]
+    return sorted(set(types))
+
+
+def _text_config(model: torch.nn.Module) -> Any:
+    config: Any = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _unpacked_logits(model: transformers.PreTrainedModel, packed: Packed) -> torch.Tensor:
+    """``selected_logits`` for a model that cannot pack: one forward per sample."""
+    if packed.has_trees:
+        raise ValueError(
+            "tree samples need a model whose layers are all full attention, not "
+            f"{', '.join(layer_kinds(model))}: use linear samples for this model"
+        )
+    parts = []
+    offset = 0
+    for n in packed.lengths:
+        inside = (packed.rows >= offset) & (packed.rows < offset + n)
+        if bool(inside.any()):
+            out = model(
+                input_ids=packed.input_ids[:, offset : offset + n],
+                position_ids=packed.position_ids[:, offset : offset + n],
+                use_cache=False,
+                logits_to_keep=packed.rows[inside] - offset,
+            )
+            parts.append(out.logits[0])
+        offset += n
+    # pack() lists the rows sample by sample, so the parts concatenate in their order.
+    return torch.cat(parts)
+
+
 def selected_logits(model: transformers.PreTrainedModel, packed: Packed) -> torch.Tensor:
-    """``[K, V]`` logits (float32 or wider) at ``packed.rows`` only.
+    """``[K, V]`` logits (float32 or wider) at ``packed.rows`` only (one forward per
+    sample for a model that cannot pack, see the module doc).
 
     ``logits_to_keep`` given as an index tensor makes the HF causal-LM head (Qwen2, Llama,
     ...) project just those hidden states, and keeps any model-specific logit processing
     that calling ``lm_head`` by hand would skip.
     """
-    out = model(
-        input_ids=packed.input_ids,
-        attention_mask=packed.attention_mask,
-        position_ids=packed.position_ids,
-        use_cache=False,
-        logits_to_keep=packed.rows,
-    )
-    logits = out.logits[0]
+    if packable(model):
+        logits = model(
+            input_ids=packed.input_ids,
+            attention_mask=packed.attention_mask,
+            position_ids=packed.position_ids,
+            use_cache=False,
+            logits_to_keep=packed.rows,
+        ).logits[0]
+    else:
+        logits = _unpacked_logits(model, packed)
     # log_softmax in fp32 at least, even for a bf16 model (fp64 stays fp64).
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 

@@ -13,7 +13,9 @@ Invariants:
     the 4D additive attention mask is block-diagonal (no token sees another sample), and
     position ids restart at 0 per sample. Tree samples bring their branch-aware ancestor
     block and their own position ids. So every token's logprob equals the one it gets when
-    its sample runs alone (tested to 1e-5).
+    its sample runs alone (tested to 1e-5). A model with a layer that is not full
+    attention (linear attention, a state-space layer, a sliding window) runs each sample
+    of the micro-batch as its own forward instead (``packing.packable``), exact too.
   - A token's logprob is read at its parent's logits (linear: the previous token; tree:
     ``parents[i]``); a root token has no parent, so nothing predicts it and it is never
     trained.
@@ -21,6 +23,10 @@ Invariants:
     nonzero weight), never for the whole ``[T, vocab]``.
   - The model is the caller's object, updated in place (the embedded inference engine
     shares it); its train/eval mode is restored after each step.
+  - **fp32 master weights.** A bf16/fp16 model computes (forward, backward) in its dtype,
+    but AdamW steps fp32 copies (``agl.backends.training.master``), copied back rounded
+    after every update: at a small lr the update would otherwise round away. Checkpoints
+    hold the copies.
 
 Token loss (verl's ``compute_policy_loss``, vanilla PPO): with ``ratio = exp(logp_new -
 logp_old)`` and the sample's advantage ``A``,
@@ -53,10 +59,13 @@ from agl.backends.sampling import logprobs_under
 from agl.backends.training.correction import correct
 from agl.backends.training.inputs import check_train_inputs
 from agl.backends.training.lr_schedule import LrSchedule, step_schedule
+from agl.backends.training.master import MasterWeights, needs_master
 from agl.backends.training.packing import (
     Packed,
+    layer_kinds,
     model_device_dtype,
     pack,
+    packable,
     parents_of,
     row_sampling,
     selected_logits,
@@ -88,6 +97,9 @@ class TorchBackendConfig(LrSchedule, Guards):
     # Packing cap (memory); gradients accumulate over the micro-batches of a mini-batch.
     max_tokens_per_micro_batch: int = 4096
     device: str = "cpu"
+    # A bf16/fp16 model: AdamW steps fp32 copies of its weights (False: the weights
+    # themselves, which at lr ~1e-6 mostly round the update away; saves 4 bytes/weight).
+    fp32_master_weights: bool = True
 
 
 # --- the loss -----------------------------------------------------------------------------
@@ -184,8 +196,11 @@ class TorchBackend:
         # inference engine holds stays the trained model.
         # (transformers types PreTrainedModel.to through a decorator that loses its signature)
         self.model = model.to(config.device)  # type: ignore[arg-type]
+        self.master = (
+            MasterWeights(model) if config.fp32_master_weights and needs_master(model) else None
+        )
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
+            self.master.params if self.master is not None else model.parameters(),
             lr=config.lr,
             betas=(config.betas[0], config.betas[1]),  # a Hydra ListConfig arrives as a list
             weight_decay=config.weight_decay,
@@ -193,6 +208,12 @@ class TorchBackend:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: config.lr_factor(step)
         )
+        if not packable(model):
+            logger.info(
+                "%s layers: each sample of a micro-batch runs as its own forward (packing "
+                "would carry state across samples)",
+                ", ".join(layer_kinds(model)),
+            )
         # The KL penalty's anchor: the weights as they are now (after any warm-up).
         self.reference = _frozen_copy(model) if config.kl_coef else None
 
@@ -230,19 +251,22 @@ class TorchBackend:
         finally:
             self.model.train(was_training)
             # Gradients are as big as the model; the engine gets that memory back.
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
         lr = float(self.scheduler.get_last_lr()[0])
         step_schedule(self.scheduler)  # once per step, as verl's train_batch
         return stats.metrics(len(plan.mini_batches), time.perf_counter() - start) | {"lr": lr}
 
     def state_dict(self) -> dict[str, Any]:
         """A snapshot (CPU copies, so later steps do not change it) of model and optimizer
-        (and of the KL reference, which a resumed run must keep)."""
+        (and of the fp32 master weights and the KL reference, which a resumed run must
+        keep)."""
         state = {
             "model": _to_cpu_copy(self.model.state_dict()),
             "optimizer": _to_cpu_copy(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
         }
+        if self.master is not None:
+            state["master"] = self.master.state_dict()
         if self.reference is not None:
             state["reference"] = _to_cpu_copy(self.reference.state_dict())
         return state
@@ -250,6 +274,11 @@ class TorchBackend:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Both copy into the existing tensors/device: the model object stays the same.
         self.model.load_state_dict(state["model"])
+        if self.master is not None:
+            if "master" in state:
+                self.master.load_state_dict(state["master"])
+            else:  # saved without masters (an fp32 run, or masters off): start from the model
+                self.master.reset_from_model()
         self.optimizer.load_state_dict(state["optimizer"])
         if "scheduler" in state:  # checkpoints from before the schedule ran at constant lr
             self.scheduler.load_state_dict(state["scheduler"])
@@ -343,7 +372,7 @@ class TorchBackend:
         stats: _Stats,
         first: bool,
     ) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         trained_before = stats.tokens_trained
         mini_loss = 0.0
         for micro in mini.ranks[0].micro_batches:
@@ -426,18 +455,29 @@ class TorchBackend:
 
     def _clip_and_step(self) -> float:
         """Clip the accumulated gradient and step; answers its norm before clipping."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if self.master is not None:
+            self.master.take_grads()
+            stepped = self.master.params
+        else:
+            stepped = list(self.model.parameters())
+        params = [p for p in stepped if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in stepped if p.grad is not None])
         if not torch.isfinite(norm):
             # One bad batch must not destroy the weights the engine serves (verl does the
             # same); the NaN/inf norm in the metrics says it happened.
             logger.warning("non-finite grad norm %s: update skipped", norm.item())
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             return norm.item()
         if self.config.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)
         self.optimizer.step()
+        if self.master is not None:
+            self.master.step_done()
         return norm.item()
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)  # with masters, the backward's own grads
 
 
 def _forward(

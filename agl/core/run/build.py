@@ -122,6 +122,7 @@ def inference_service(
                 num_threads=settings["torch_threads"],
                 tool_parser=loaded.tool_parser,
                 api_key=api_key,
+                kv_cache_gib=settings.get("kv_cache_gib"),
             )
         if options["name"] == "vllm":
             from agl.backends.inference.vllm import VllmOptions, VllmServers
