@@ -185,7 +185,10 @@ async def _run(cfg: Any, run_dir: Path, sweep: str | None) -> list[dict[str, Any
             server.start()
         except (OSError, RuntimeError) as error:
             raise UserError(f"inference={cfg.inference.name}: {error}") from None
-        policy = policy_for(backend_config, loaded, server, run_dir)
+        try:
+            policy = policy_for(backend_config, loaded, server, run_dir)
+        except ValueError as error:  # a layout the cluster cannot place, say
+            raise UserError(f"backend={cfg.backend.name}: {error}") from None
         if close_policy := getattr(policy, "close", None):
             stack.callback(close_policy)  # verl's workers (and a Ray it started)
         agent_gateway_url = cfg.controller.get("agent_gateway_url") or gateway.url

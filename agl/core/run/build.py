@@ -51,7 +51,20 @@ def backend_config(group: dict[str, Any], steps: int) -> Any:
 
 def policy_for(config: Any, loaded: LoadedModel, server: InferenceService, run_dir: Path) -> Policy:
     """The training side over the module ``server`` serves (updated in place, then
-    published): agl's torch backend, or verl's actor update."""
+    published): agl's torch backend, or verl's actor update; each update inside the
+    server's ``training()`` where it has one (vLLM's sleep mode frees its GPU memory)."""
+    policy = _training_side(config, loaded, server, run_dir)
+    window = getattr(server, "training", None)
+    if window is None:
+        return policy
+    from agl.backends.training.yielding import YieldingPolicy
+
+    return YieldingPolicy(policy, window)
+
+
+def _training_side(
+    config: Any, loaded: LoadedModel, server: InferenceService, run_dir: Path
+) -> Policy:
     from agl.backends.training.torch import TorchBackendConfig
 
     if isinstance(config, TorchBackendConfig):

@@ -557,10 +557,11 @@ def test_attach_to_running_servers(served: Served) -> None:
 @pytest.mark.parametrize("backend", ["torch", "verl"])
 def test_agl_train_runs_on_vllm(tmp_path: Path, backend: str) -> None:
     """``python -m agl.train inference=vllm`` on the tiny model: vLLM serves the rollouts,
-    each update is published to it, and (torch backend) the trainer's recomputed logprobs
-    of what vLLM sampled equal the recorded ones, so the served weights were the trained
-    ones. ``backend=verl``: verl's FSDP2 engine trains the module vLLM is published from
-    (the pairing of experiments/calc/gpu.yaml)."""
+    each update is broadcast to it (``weight_sync=distributed``, the default: no weights
+    file written after the replica's start), and (torch backend) the trainer's
+    recomputed logprobs of what vLLM sampled equal the recorded ones, so the served
+    weights were the trained ones. ``backend=verl``: verl's FSDP2 engine trains the module
+    vLLM is published from (the pairing of experiments/calc/gpu.yaml)."""
     python = find_vllm_python()
     if python is None:
         pytest.skip(VLLM_MISSING)
@@ -580,3 +581,7 @@ def test_agl_train_runs_on_vllm(tmp_path: Path, backend: str) -> None:
         if backend == "torch":
             assert row["train/logprob_mismatch"] < 1e-4
     assert (tmp_path / "vllm" / "replica-0.log").exists()
+    published = [
+        line for line in (tmp_path / "train.log").read_text().splitlines() if "published" in line
+    ]
+    assert len(published) >= 3 and all("MiB broadcast" in line for line in published)

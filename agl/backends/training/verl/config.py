@@ -41,11 +41,20 @@ class VerlBackendConfig(LrSchedule, Guards):
     param_dtype: str = "fp32"  # FSDP mixed precision; bf16 on GPU for speed
     use_remove_padding: bool = False  # True needs flash-attn (GPU)
     gradient_checkpointing: bool = False
+    # verl's FSDP offload (engine param_offload / optimizer_offload): between updates a
+    # rank keeps its parameter and gradient shards (param) or its AdamW state (optimizer)
+    # in CPU memory, moved to the GPU only while it trains; for training collocated with
+    # vLLM on the same GPUs (inference.sleep_mode), which then has their memory.
+    param_offload: bool = False
+    optimizer_offload: bool = False
     attn_implementation: str = "sdpa"
     device: str = "auto"  # auto: verl's platform (cuda/npu) if any, else the CPU plugin
     # Where the update runs: 1 rank in this process (VerlPolicy), or a Ray worker group
     # of `ranks` FSDP workers (ray.RayVerlPolicy; `ray: true` forces it for 1 rank).
     ranks: int = 1
+    # Ranks per node (verl's trainer.n_gpus_per_node): ranks / gpus_per_node nodes, each
+    # one placement group packed on one node. None: all ranks on one node.
+    gpus_per_node: int | None = None
     ray: bool = False
     ray_address: str | None = None  # None: start a local Ray; "auto"/"host:port": join one
     # Carried over from torch.yaml so one override line serves both backends.
@@ -54,6 +63,13 @@ class VerlBackendConfig(LrSchedule, Guards):
     @property
     def penalties(self) -> Penalties:
         return Penalties(self.entropy_coef, self.kl_coef, self.kl_type)
+
+    @property
+    def process_on_nodes(self) -> list[int]:
+        """Ranks per node, verl's ``RayResourcePool(process_on_nodes=...)`` (as verl's
+        trainer: ``[n_gpus_per_node] * nnodes``); they sum to ``ranks``."""
+        per_node = self.gpus_per_node or self.ranks
+        return [per_node] * (self.ranks // per_node)
 
     @property
     def on_ray(self) -> bool:
@@ -66,6 +82,18 @@ class VerlBackendConfig(LrSchedule, Guards):
         for name in ("num_mini_batches", "ppo_epochs", "max_tokens_per_micro_batch", "ranks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"backend.{name} must be at least 1")
+        if self.gpus_per_node is not None:
+            if self.gpus_per_node < 1 or self.ranks % self.gpus_per_node:
+                raise ValueError(
+                    f"backend.gpus_per_node={self.gpus_per_node} must divide "
+                    f"backend.ranks={self.ranks} (ranks = gpus_per_node x nodes)"
+                )
+            if self.ray_address is None and self.gpus_per_node != self.ranks:
+                raise ValueError(
+                    f"backend.gpus_per_node={self.gpus_per_node} < backend.ranks={self.ranks} "
+                    "spans nodes: set backend.ray_address (a Ray cluster); agl's own Ray "
+                    "is this one node"
+                )
         if not self.clip_ratio_c > 1.0:
             raise ValueError("backend.clip_ratio_c must be > 1 (verl's dual-clip bound)")
         super().__post_init__()

@@ -43,6 +43,14 @@ NCCL on a CUDA platform it falls back to). The resource pool then asks for CPU b
 only (``use_gpu=False``). On GPUs nothing of this runs: verl's CUDA platform and its own
 NCCL group are used, one GPU per rank.
 
+**Placement.** ``backend.ranks`` = ``gpus_per_node`` x nodes: one ``STRICT_PACK``
+placement group of ``gpus_per_node`` one-rank bundles per node (verl's trainer's
+``process_on_nodes = [n_gpus_per_node] * nnodes``), checked against the cluster's nodes
+first (:func:`check_fits`: a group no node can hold is an error, not a wait). A Ray agl
+starts itself (``ray_address`` null) is this node alone and declares only the first
+``ranks`` visible GPUs (:func:`start_ray`); the ones after them are vLLM's
+(``inference.training_gpus``, :mod:`agl.backends.inference.vllm_placement`).
+
 Invariant: the trainer's module is never FSDP-wrapped on this path (the workers hold the
 shards), so it stays the plain ``nn.Module`` the inference engine serves.
 """
@@ -68,6 +76,7 @@ from verl.single_controller.base.decorator import (
 )
 from verl.workers.engine_workers import TrainingWorker
 
+from agl.backends.inference.vllm_placement import CUDA_VISIBLE_DEVICES, visible_gpus
 from agl.backends.training.lr_schedule import LrSchedule
 from agl.backends.training.verl.config import VerlBackendConfig
 from agl.backends.training.verl.loss import loss_fn
@@ -164,8 +173,16 @@ class AglTrainingWorker(TrainingWorker):
 
     @register(dispatch_mode=ONE_TO_ALL_RANK_ZERO)
     def agl_lr_step(self) -> float:
-        """Every rank advances its lr schedule one step; the lr the step used."""
-        return lr_step(self)
+        """Every rank advances its lr schedule one step (the step's last call); the lr
+        the step used. The CUDA cache is emptied: what offload moved to the CPU would
+        otherwise stay reserved on the GPU a sleeping vLLM wakes on (verl's trainer
+        empties it before the rollout wakes too)."""
+        import torch
+
+        lr = lr_step(self)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return lr
 
     @register(dispatch_mode=INFER_DISPATCH)
     def agl_logprobs(self, data: TensorDict) -> TensorDict | None:
@@ -234,11 +251,16 @@ class AglTrainingWorker(TrainingWorker):
 # --- Ray and the worker group (the trainer's side) ----------------------------------------
 
 
-def start_ray(address: str | None, num_cpus: int, object_store_mb: int = 256) -> bool:
+def start_ray(
+    address: str | None, num_cpus: int, object_store_mb: int = 256, gpus: int | None = None
+) -> bool:
     """Connect to Ray; answers whether this call started it (then :meth:`RayWorkers.close`
     shuts it down). ``address`` None starts a local Ray (``num_cpus`` logical CPUs, no
-    dashboard, a small object store); else it joins a running cluster (``"auto"`` or
-    ``host:port``, as ``ray start`` printed). An already initialized Ray is used as is.
+    dashboard, a small object store) that holds only training's GPUs: the first ``gpus``
+    visible ones (None: all), the rest left to vLLM's replicas
+    (:mod:`agl.backends.inference.vllm_placement`); else it joins a running cluster
+    (``"auto"`` or ``host:port``, as ``ray start`` printed), whose nodes declared their
+    own. An already initialized Ray is used as is.
     """
     import ray
 
@@ -249,33 +271,53 @@ def start_ray(address: str | None, num_cpus: int, object_store_mb: int = 256) ->
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     runtime_env = {"env_vars": {"PYTHONPATH": path}}
     if address is None:
-        ray.init(
-            num_cpus=num_cpus,
-            num_gpus=_local_gpus(),
-            include_dashboard=False,
-            object_store_memory=object_store_mb * 1024 * 1024,
-            runtime_env=runtime_env,
-            logging_level=logging.WARNING,
-            log_to_driver=True,
-        )
+        training = training_gpus(visible_gpus(), gpus)
+        # Ray reads the node's GPUs from CUDA_VISIBLE_DEVICES in this process, and its
+        # raylet and workers inherit it: set for the start only, so Ray can hand out
+        # (and its workers see) exactly training's devices, never a replica's.
+        declared = override_env(CUDA_VISIBLE_DEVICES, ",".join(training))
+        with declared if training else nullcontext():
+            ray.init(
+                num_cpus=num_cpus,
+                num_gpus=len(training),
+                include_dashboard=False,
+                object_store_memory=object_store_mb * 1024 * 1024,
+                runtime_env=runtime_env,
+                logging_level=logging.WARNING,
+                log_to_driver=True,
+            )
     else:
         ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
     return True
 
 
-def _local_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+def training_gpus(visible: list[str], gpus: int | None) -> list[str]:
+    """The GPUs agl's local Ray declares: the first ``gpus`` of ``visible`` (None: all);
+    none on a machine without them (ranks then run on CPU); a ``ValueError`` (one line)
+    when the node has fewer than ``gpus``."""
+    if not visible or gpus is None:
+        return visible
+    if gpus > len(visible):
+        raise ValueError(
+            f"backend.ranks={gpus} needs {gpus} GPUs on this node for agl's local Ray; "
+            f"{len(visible)} are visible ({','.join(visible)}): lower backend.ranks, or "
+            "join a cluster (backend.ray_address, backend.gpus_per_node)"
+        )
+    return visible[:gpus]
 
 
 @dataclass
 class RayWorkers:
-    """``ranks`` verl workers (:class:`AglTrainingWorker`) in one ``RayWorkerGroup``.
+    """``config.ranks`` verl workers (:class:`AglTrainingWorker`) in one ``RayWorkerGroup``.
 
     ``device`` ``cpu``: CPU bundles, gloo, agl's CPU platform in every worker; ``cuda``:
     one GPU per rank (verl's defaults). ``group`` answers verl's registered methods
     (``agl_train``, ``save_checkpoint``, ...) across all ranks.
+
+    Placement: one placement group per node of ``config.process_on_nodes`` (verl's
+    layout: ``gpus_per_node`` bundles of one rank each, packed on one node; the groups
+    on distinct nodes when each fills one), checked against the cluster's nodes before
+    it is asked for, since a group no node can hold would wait forever.
     """
 
     group: Any
@@ -288,26 +330,42 @@ class RayWorkers:
         cls,
         config: VerlBackendConfig,
         model_path: str | Path,
-        ranks: int,
         address: str | None,
         trust_remote_code: bool = False,
+        *,
+        bundle_resource: str | None = None,
     ) -> RayWorkers:
+        """``bundle_resource``: the accelerator each rank's bundle reserves; None: the
+        device's (verl's platform's, ``GPU`` for CUDA; none on CPU). ``"GPU"`` with
+        ``device: cpu`` is for a cluster whose nodes declare logical GPUs they do not
+        have (the tests): the ranks hold the GPUs' places and compute on CPU with gloo."""
         import ray
         from verl.single_controller.ray import (
             RayClassWithInitArgs,
             RayResourcePool,
             RayWorkerGroup,
         )
+        from verl.utils.device import get_platform
 
-        started = start_ray(address, num_cpus=ranks + 1)
+        ranks = config.ranks
+        # CPU ranks need no GPU: a local Ray then declares the node's as before.
+        gpus = None if config.device == "cpu" else ranks
+        started = start_ray(address, num_cpus=ranks + 1, gpus=gpus)
         try:
             device = _device(config)
             if device == "cpu":
-                ensure_cpu_platform()  # the pool asks verl's platform for its resource name
+                ensure_cpu_platform()  # verl's platform: the workers' device and backend
+            elif bundle_resource is None:
+                bundle_resource = get_platform().ray_resource_name()
             # One process per bundle: max_colocate_count is the CPUs a bundle reserves.
-            pool = RayResourcePool(
-                process_on_nodes=[ranks], use_gpu=device != "cpu", max_colocate_count=1
+            # Any: its placement groups are set here (verl types the attribute None).
+            pool: Any = RayResourcePool(
+                process_on_nodes=config.process_on_nodes,
+                use_gpu=device != "cpu",
+                max_colocate_count=1,
             )
+            bundle = {"CPU": 1.0, **({bundle_resource: 1.0} if bundle_resource else {})}
+            pool.pgs = placement_groups(config.process_on_nodes, bundle)
             # CPU ranks share this machine's cores; a GPU rank has its node's to itself.
             threads = config.torch_threads
             if device == "cpu":
@@ -357,6 +415,50 @@ class RayWorkers:
             ray.shutdown()
 
 
+def placement_groups(process_on_nodes: list[int], bundle: dict[str, float]) -> list[Any]:
+    """One ``STRICT_PACK`` placement group per entry of ``process_on_nodes`` (that many
+    ``bundle``s, one node each), ready, in verl's order (by node address): the groups
+    ``RayResourcePool.get_placement_groups`` would make, with ``bundle`` chosen here."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from verl.single_controller.ray.base import sort_placement_group_by_node_ip
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    check_fits(process_on_nodes, bundle, nodes)
+    pgs = [
+        placement_group([dict(bundle)] * count, strategy="STRICT_PACK")
+        for count in process_on_nodes
+    ]
+    ray.get([pg.ready() for pg in pgs])
+    return list(sort_placement_group_by_node_ip(pgs))
+
+
+def check_fits(
+    process_on_nodes: list[int], bundle: dict[str, float], nodes: list[dict[str, float]]
+) -> None:
+    """A ``ValueError`` (one line) when no assignment of the groups to ``nodes`` (their
+    total resources) gives each group a node of its own capacity: Ray would leave it
+    pending forever. First fit, largest group first: exact for verl's equal groups."""
+    free = [dict(node) for node in nodes]
+    for count in sorted(process_on_nodes, reverse=True):
+        need = {k: v * count for k, v in bundle.items()}
+        for node in free:
+            if all(node.get(k, 0.0) >= v for k, v in need.items()):
+                for k, v in need.items():
+                    node[k] -= v
+                break
+        else:
+            have = "; ".join(
+                ", ".join(f"{k} {node.get(k, 0.0):g}" for k in bundle) for node in nodes
+            )
+            raise ValueError(
+                f"backend: {len(process_on_nodes)} node(s) x {max(process_on_nodes)} ranks "
+                f"(each {', '.join(f'{k} {v:g}' for k, v in bundle.items())}) do not fit "
+                f"this Ray cluster's nodes ({have or 'none'}): set backend.gpus_per_node to "
+                "at most a node's GPUs (ranks = gpus_per_node x nodes)"
+            )
+
+
 def _device(config: VerlBackendConfig) -> str:
     """``cuda`` where the cluster has GPUs (``device: auto``) or ``device: cuda``; else
     ``cpu``: Ray workers run where the cluster's resources are, not where the trainer is."""
@@ -386,6 +488,8 @@ class RayVerlPolicy(VerlPolicy):
         work_dir: Path | None = None,
         weights_from: PretrainedOptions | None = None,
         trust_remote_code: bool = False,
+        *,
+        bundle_resource: str | None = None,  # RayWorkers.start's (tests: logical GPUs)
     ) -> None:
         self._setup(model, config, tokenizer, paused, work_dir)
         start = time.perf_counter()
@@ -395,7 +499,7 @@ class RayVerlPolicy(VerlPolicy):
             source = _model_folder(model, tokenizer, self.work_dir / "hf_model")
         self.model_source = source
         self.workers = RayWorkers.start(
-            config, source, config.ranks, config.ray_address, trust_remote_code
+            config, source, config.ray_address, trust_remote_code, bundle_resource=bundle_resource
         )
         # agl.train closes its policy; any other owner that forgets still loses the
         # workers (and a Ray we started) at exit, before Ray's own handler (LIFO).

@@ -133,6 +133,8 @@ def worker_config(
         # Keep the full parameters between forwards: the inference engine shares them
         # in-process (harmless on Ray workers, whose modules nothing else reads).
         reshard_after_forward=reference,
+        param_offload=config.param_offload,  # CPU between updates (collocated with vLLM)
+        optimizer_offload=config.optimizer_offload,
     )
     optimizer_config = FSDPOptimizerConfig(
         lr=config.lr,
