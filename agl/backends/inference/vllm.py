@@ -25,7 +25,9 @@ How a weight update reaches vLLM (``publish``), ``inference.weight_sync``:
   policy version) receives them and loads them through the worker's own in-place reload
   (``Worker.reload_weights(weights_iterator=...)``: every layer processed again after
   loading, as from a file). Tied parameters go once under each name, served untied
-  (``write_weights`` says why). ``weight_sync.py`` is the trainer's side.
+  (``write_weights`` says why). ``weight_sync.py`` is the trainer's side. With a
+  ``WeightSource`` (``publish_from``: ``backend=verl`` on Ray) rank 0 is that source
+  (verl's rank 0, from its shards) and the trainer's module is not read.
 - ``file``: the module is written as one ``model.safetensors`` into the served folder (a
   temporary name, then ``os.replace``: a replica never reads half a file) and each
   replica reloads it (``/collective_rpc reload_weights(weights_path=<folder>)``). The
@@ -95,7 +97,12 @@ from agl.backends.inference.vllm_placement import (
     place_replicas,
     visible_gpus,
 )
-from agl.backends.inference.weight_sync import WeightSender, serving_dtype, world_of
+from agl.backends.inference.weight_sync import (
+    WeightSender,
+    WeightSource,
+    serving_dtype,
+    world_of,
+)
 from agl.core.contracts.records import ModelEndpoint
 from agl.core.ports import free_port
 
@@ -341,6 +348,7 @@ class VllmServers:
         self._asleep: set[str] = set()  # sleep_mode: what every replica offloaded now
         self._check_sleep_mode()
         self._sender: WeightSender | None = None
+        self._source: WeightSource | None = None  # publish_from's
         if self.options.replicas < 1 and not self.options.urls:
             raise ValueError("inference.replicas must be at least 1")
         if self.options.weight_sync not in WEIGHT_SYNCS:
@@ -554,6 +562,8 @@ class VllmServers:
         atexit.unregister(self.close)
         if self._sender is not None:
             self._sender.close()
+        if self._source is not None:
+            self._source.close()
         for replica in self._replicas:
             if replica.process is not None:
                 _stop_group(replica.process)
@@ -662,19 +672,30 @@ class VllmServers:
                 "and this machine has none: set inference.sleep_mode=false"
             )
 
+    def publish_from(self, source: WeightSource) -> None:
+        """From now on ``publish`` broadcasts ``source``'s weights (it is rank 0 of the
+        group) instead of the module's, which is then neither read nor updated; only
+        with ``weight_sync=distributed`` (``file`` writes the module)."""
+        if self.options.weight_sync != "distributed":
+            raise ValueError("a weight source publishes over inference.weight_sync=distributed")
+        self._source = source
+
     def publish(self, policy_version: int) -> None:
-        """Every replica serves the module's current weights as ``policy_version``
-        when this returns (see the module's docstring for how and why)."""
+        """Every replica serves the module's (or ``publish_from``'s source's) current
+        weights as ``policy_version`` when this returns (see the module's docstring for
+        how and why)."""
         if self.model is None:
             raise ValueError("publish needs the trainer's model")
         started = time.monotonic()
         distributed = self.options.weight_sync == "distributed"
         if not distributed:
+            if self._source is not None:  # the module is stale: the source trained
+                raise ValueError("a weight source publishes over inference.weight_sync=distributed")
             write_weights(self.model, self.weights_dir)
-        elif self._sender is None or not self._sender.connected:
+        elif not self._connected():
             # Before the pause: joining the group leaves the served weights be, and a
             # replica that cannot join fails here, in one line, with nothing to undo.
-            self._sender = self._connect()
+            self._connect()
         written = time.monotonic()
         with self.paused():
             self._wake("weights")  # sleep_mode: resident again before they are overwritten
@@ -685,12 +706,13 @@ class VllmServers:
             self._wake("kv_cache")  # sleep_mode: back after the update (see training())
             self._each(lambda r: self._versioned(r, policy_version))
         self.policy_version = policy_version
+        sender = self._source.name if self._source is not None else "the trainer"
         log.info(
             "vLLM: published policy %d to %d replica(s) in %.2f s (%s)",
             policy_version,
             len(self._replicas),
             time.monotonic() - started,
-            f"{moved / 2**20:.1f} MiB broadcast"
+            f"{moved / 2**20:.1f} MiB broadcast by {sender}"
             if distributed
             else f"file written in {written - started:.2f} s",
         )
@@ -705,28 +727,39 @@ class VllmServers:
         self._post(replica, "/update_weight_version", json={"new_version": str(policy_version)})
 
     def _send(self, policy_version: int) -> int:
-        """``inference.weight_sync=distributed``: the module's weights broadcast to every
-        replica's workers (``weight_sync``) over the group ``_connect`` built (at the first
-        publish, or again after a failed one); answers the bytes sent."""
-        assert self.model is not None and self._sender is not None
-        model, sender = self.model, self._sender
-        dtype = serving_dtype(self.options.dtype, model)
+        """``inference.weight_sync=distributed``: the module's (or the source's) weights
+        broadcast to every replica's workers (``weight_sync``) over the group
+        ``_connect`` built (at the first publish, or again after a failed one); answers
+        the bytes sent."""
+        assert self.model is not None
+        dtype = serving_dtype(self.options.dtype, self.model)
 
         def receive(manifest: str) -> None:
             self._each(lambda r: self._rpc(r, "receive_weights", manifest=manifest))
 
-        return sender.send(model, dtype, policy_version, receive)
+        if self._source is not None:
+            return self._source.send(dtype, policy_version, receive)
+        assert self._sender is not None
+        return self._sender.send(self.model, dtype, policy_version, receive)
 
-    def _connect(self) -> WeightSender:
-        """The weight-sync group: the trainer (rank 0) and every worker of every replica."""
+    def _connected(self) -> bool:
+        sender = self._source or self._sender
+        return sender is not None and sender.connected
+
+    def _connect(self) -> None:
+        """The weight-sync group: the sender (rank 0: the trainer, or the source) and
+        every worker of every replica."""
         assert self.model is not None
         workers = [len(self._probe(r)) for r in self._replicas]
         world_size, offsets = world_of(workers)
         timeout_s = self.options.request_timeout_s
-        sender = WeightSender(httpx.URL(self._replicas[0].url).host, timeout_s=timeout_s)
+        peer = httpx.URL(self._replicas[0].url).host
         # NCCL between distinct GPUs; sleep_mode shares the trainer's GPUs with the
         # replicas, where NCCL has no peer to pair with: gloo, through host memory.
-        on_gpu = next(self.model.parameters()).is_cuda
+        if self._source is not None:
+            on_gpu = self._source.on_gpu
+        else:
+            on_gpu = next(self.model.parameters()).is_cuda
         backend = "nccl" if on_gpu and not self.options.sleep_mode else "gloo"
 
         def join(address: str, port: int) -> None:
@@ -737,8 +770,11 @@ class VllmServers:
                 )
             )  # fmt: skip
 
-        sender.connect(world_size, backend, join)
-        return sender
+        if self._source is not None:
+            self._source.connect(peer, world_size, backend, timeout_s, join)
+            return
+        self._sender = WeightSender(peer, timeout_s=timeout_s)
+        self._sender.connect(world_size, backend, join)
 
     def _probe(self, replica: _Replica) -> list[Any]:
         """Each worker's rank in ``replica``, from agl's receiver, which must be there."""

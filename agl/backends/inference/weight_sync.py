@@ -22,6 +22,12 @@ interface on the route to the replicas only. Who may make a replica join or load
 guarded (``/collective_rpc`` needs the inference key); the store is not: on a network
 shared with strangers, prefer ``file`` or a firewall on the trainer's ports.
 
+The sender need not be the trainer: a ``WeightSource`` (``backend=verl`` on Ray: verl's
+rank 0, ``verl.ray.RayWeightSource``) hosts the group and broadcasts from its own shards;
+the plan then comes from parameter metadata (``plan_specs``: names, shapes) and each
+tensor from a producer called in plan order (``pack``'s ``produce``), so the sender never
+holds more than one bucket and one full tensor.
+
 Invariant: ``send`` returns only when every rank has received every bucket; the group's
 collectives time out after ``timeout_s`` (a replica that died mid-update fails the
 publish instead of hanging it).
@@ -34,7 +40,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed import TCPStore
@@ -61,9 +67,11 @@ def serving_dtype(name: str, model: torch.nn.Module) -> torch.dtype:
 @dataclass
 class _Entry:
     names: list[str]
-    tensor: torch.Tensor  # the trainer's parameter, not yet converted
+    shape: list[int]
+    index: int  # the tensor's position in the plan's order (``pack``'s ``produce``)
     offset: int
     nbytes: int
+    tensor: torch.Tensor | None = None  # the module's parameter (``plan``), not converted
 
 
 @dataclass
@@ -78,7 +86,7 @@ class _Bucket:
             "tensors": [
                 {
                     "names": e.names,
-                    "shape": list(e.tensor.shape),
+                    "shape": e.shape,
                     "dtype": name,
                     "offset": e.offset,
                     "nbytes": e.nbytes,
@@ -88,48 +96,139 @@ class _Bucket:
         }
 
 
-def plan(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int) -> list[_Bucket]:
-    """The module's parameters in buckets of at most ``bucket_bytes`` (a larger tensor
-    alone in one), each parameter once under all its names."""
-    # Tied names yield the same Parameter (a DTensor has no storage pointer to compare).
-    by_parameter: dict[int, _Entry] = {}
-    entries: list[_Entry] = []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in by_parameter:
-            by_parameter[id(p)].names.append(name)
-            continue
-        entry = _Entry([name], p.detach(), 0, p.numel() * dtype.itemsize)
-        by_parameter[id(p)] = entry
-        entries.append(entry)
+def plan_specs(
+    specs: Sequence[tuple[list[str], Sequence[int]]], dtype: torch.dtype, bucket_bytes: int
+) -> list[_Bucket]:
+    """Buckets of at most ``bucket_bytes`` (a larger tensor alone in one) for tensors
+    given as (names, shape), in order; entry ``i`` is ``specs[i]``."""
     buckets: list[_Bucket] = []
     current = _Bucket([], 0)
-    for entry in entries:
+    for index, (names, shape) in enumerate(specs):
+        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
         offset = -(-current.nbytes // ALIGN) * ALIGN
-        if current.entries and offset + entry.nbytes > bucket_bytes:
+        if current.entries and offset + nbytes > bucket_bytes:
             buckets.append(current)
             current, offset = _Bucket([], 0), 0
-        entry.offset = offset
-        current.entries.append(entry)
-        current.nbytes = offset + entry.nbytes
+        current.entries.append(_Entry(list(names), list(shape), index, offset, nbytes))
+        current.nbytes = offset + nbytes
     if current.entries:
         buckets.append(current)
     return buckets
 
 
-def pack(bucket: _Bucket, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One bucket's bytes: each tensor converted to ``dtype`` at its offset."""
+def parameter_specs(
+    model: torch.nn.Module,
+) -> tuple[list[tuple[list[str], list[int]]], list[torch.Tensor]]:
+    """The module's parameters once each, under all their names (a tied one under each),
+    as ``plan_specs``'s (names, shape) and the parameters in the same order. A DTensor
+    (FSDP2) gives its full shape."""
+    # Tied names yield the same Parameter (a DTensor has no storage pointer to compare).
+    by_parameter: dict[int, int] = {}
+    specs: list[tuple[list[str], list[int]]] = []
+    tensors: list[torch.Tensor] = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in by_parameter:
+            specs[by_parameter[id(p)]][0].append(name)
+            continue
+        by_parameter[id(p)] = len(specs)
+        specs.append(([name], list(p.shape)))
+        tensors.append(p.detach())
+    return specs, tensors
+
+
+def plan(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int) -> list[_Bucket]:
+    """The module's parameters in buckets of at most ``bucket_bytes`` (a larger tensor
+    alone in one), each parameter once under all its names."""
+    specs, tensors = parameter_specs(model)
+    buckets = plan_specs(specs, dtype, bucket_bytes)
+    for bucket in buckets:
+        for entry in bucket.entries:
+            entry.tensor = tensors[entry.index]
+    return buckets
+
+
+def manifest(
+    buckets: Sequence[_Bucket], dtype: torch.dtype, group_id: str, policy_version: int
+) -> str:
+    """What every receiver's ``receive_weights`` reads: the group, the version, and each
+    bucket's tensors (names, shapes, dtype, offsets)."""
+    return json.dumps(
+        {
+            "group": group_id,
+            "policy_version": policy_version,
+            "buckets": [b.manifest(dtype) for b in buckets],
+        }
+    )
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole: a DTensor (FSDP2, ``backend=verl``) is gathered, a collective
+    every rank of its mesh must join."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def pack(
+    bucket: _Bucket,
+    dtype: torch.dtype,
+    device: torch.device,
+    produce: Callable[[_Entry], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One bucket's bytes: each tensor converted to ``dtype`` at its offset; the tensor is
+    ``produce(entry)`` where given (called once per entry, in order), else the module's
+    parameter ``plan`` recorded."""
     buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
     for entry in bucket.entries:
-        tensor = entry.tensor
-        if isinstance(tensor, DTensor):  # a module FSDP2 (backend=verl) left sharded
-            tensor = tensor.full_tensor()
+        if produce is not None:
+            tensor = produce(entry)
+        else:
+            assert entry.tensor is not None, "a plan_specs bucket needs produce"
+            tensor = full(entry.tensor)
         view = buffer[entry.offset : entry.offset + entry.nbytes].view(dtype)
-        view.view(tensor.shape).copy_(tensor)
+        view.view(entry.shape).copy_(tensor)
     return buffer
 
 
+class WeightSource(Protocol):
+    """A sender of weights other than ``VllmServers``' own module (the trainer's): it
+    hosts the weight-sync group as rank 0 and broadcasts what it holds.
+
+    ``connect(peer_host, world_size, backend, timeout_s, join)``: build the group, where
+    ``join(address, port)`` makes every other rank join (it blocks until they have);
+    ``send(dtype, policy_version, receive)``: broadcast, where ``receive(manifest)``
+    makes every other rank receive (it blocks until they have); answers the bytes sent.
+    A failed ``send`` leaves the source not ``connected`` (the next publish rebuilds)."""
+
+    @property
+    def name(self) -> str: ...  # who sends, for the log
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def on_gpu(self) -> bool: ...
+
+    def connect(
+        self,
+        peer_host: str,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        join: Callable[[str, int], None],
+    ) -> None: ...
+
+    def send(
+        self, dtype: torch.dtype, policy_version: int, receive: Callable[[str], None]
+    ) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class WeightSender:
-    """Rank 0 of the weight-sync group: ``connect`` once, then ``send`` per publish."""
+    """Rank 0 of the weight-sync group: ``connect`` once, then ``send`` per publish.
+
+    A sender in another process than the one that calls the replicas (verl's rank 0)
+    splits both: ``listen`` then ``joined`` for ``connect``, ``manifest`` (given to the
+    replicas) and ``push`` (the broadcast, meanwhile) for ``send``."""
 
     def __init__(
         self, peer_host: str, *, timeout_s: float = 120.0, bucket_bytes: int = BUCKET_BYTES
@@ -143,6 +242,7 @@ class WeightSender:
         self._group_id = ""  # host:port of the store: the receivers check it
         self._store: TCPStore | None = None
         self._backend = "gloo"
+        self._building: _Background | None = None
 
     @property
     def connected(self) -> bool:
@@ -155,7 +255,16 @@ class WeightSender:
         join: Callable[[str, int], None],
     ) -> None:
         """Build the group of ``world_size`` ranks; ``join(address, port)`` must make every
-        other rank join (it blocks until they have), while this thread waits for them."""
+        other rank join (it blocks until they have), while this thread waits for them.
+        A failure of ``join`` (it names the replica) is raised at once."""
+        address, port = self.listen(world_size, backend)
+        join(address, port)  # raising here leaves the group's build to its timeout
+        self.joined()
+
+    def listen(self, world_size: int, backend: str) -> tuple[str, int]:
+        """Serve the group's store and start building the group (in a thread: it waits
+        for the other ranks); answers the address and port they join at."""
+        self.close()
         self._backend = backend
         port = free_port(self.address)
         # Serving the store before the replicas are told where it is: they connect to it.
@@ -172,9 +281,47 @@ class WeightSender:
         def build() -> Any:
             return process_group(store, 0, world_size, backend, self.address, self.timeout_s)
 
-        self._group = None
-        self._group = _beside(build, lambda: join(self.address, port))
+        self._building = _Background(build)
         self._group_id = f"{self.address}:{port}"
+        return self.address, port
+
+    def joined(self) -> None:
+        """Wait for the group ``listen`` started (every other rank has joined)."""
+        if self._building is None:
+            raise RuntimeError("WeightSender.joined before listen")
+        building, self._building = self._building, None
+        self._group = building.result()
+
+    def manifest(self, buckets: Sequence[_Bucket], dtype: torch.dtype, version: int) -> str:
+        """``manifest`` for this group."""
+        return manifest(buckets, dtype, self._group_id, version)
+
+    def push(
+        self,
+        buckets: Sequence[_Bucket],
+        dtype: torch.dtype,
+        device: torch.device,
+        produce: Callable[[_Entry], torch.Tensor] | None = None,
+    ) -> int:
+        """Broadcast ``buckets`` (``pack``'s ``produce``); answers the bytes sent. On a
+        failure the group is dropped: a broadcast may still be pending in it, and the
+        next publish builds a new one (``connect``) rather than mix its buckets in."""
+        group = self._group
+        if group is None:
+            raise RuntimeError("WeightSender.push before connect")
+        try:
+            with torch.no_grad():
+                for bucket in buckets:
+                    broadcast(group, pack(bucket, dtype, device, produce))
+        except BaseException:
+            self.close()
+            raise
+        return sum(b.nbytes for b in buckets)
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where buckets are packed: host memory for gloo; None: the tensors' device."""
+        return torch.device("cpu") if self._backend == "gloo" else None
 
     def send(
         self,
@@ -188,56 +335,46 @@ class WeightSender:
         if self._group is None:
             raise RuntimeError("WeightSender.send before connect")
         buckets = plan(model, dtype, self.bucket_bytes)
-        manifest = json.dumps(
-            {
-                "group": self._group_id,
-                "policy_version": policy_version,
-                "buckets": [b.manifest(dtype) for b in buckets],
-            }
-        )
+        text = self.manifest(buckets, dtype, policy_version)
         # gloo sends from host memory (a module on a GPU is copied bucket by bucket).
-        device = torch.device("cpu") if self._backend == "gloo" else next(model.parameters()).device
-        group = self._group
-
-        @torch.no_grad()
-        def push() -> None:
-            for bucket in buckets:
-                broadcast(group, pack(bucket, dtype, device))
-
+        device = self.device or next(model.parameters()).device
+        pushing = _Background(lambda: self.push(buckets, dtype, device))
         try:
-            _beside(push, lambda: receive(manifest))
+            receive(text)
         except BaseException:
-            # A broadcast may still be pending in the group: the next publish builds a
-            # new one (``connect``) rather than mix its buckets with this one's.
-            self.close()
+            self.close()  # the push is left to the group's timeout
             raise
-        return sum(b.nbytes for b in buckets)
+        return int(pushing.result())
 
     def close(self) -> None:
         self._group = None
         self._store = None
+        self._building = None
 
 
-def _beside(work: Callable[[], Any], calls: Callable[[], None]) -> Any:
-    """``work()`` in a thread while ``calls()`` runs here; answers ``work``'s result.
-    A failure of ``calls`` (it names the replica) is raised at once, without waiting for
-    ``work``: its collective then only ends at the group's timeout."""
-    result: list[Any] = []
-    failure: list[BaseException] = []
+class _Background:
+    """``work()`` in a daemon thread; ``result()`` waits for it and answers (or raises)
+    what it did, in the caller's thread. Left unwaited, it ends at the group's timeout."""
 
-    def run() -> None:
+    def __init__(self, work: Callable[[], Any]) -> None:
+        self._result: list[Any] = []
+        self._failure: list[BaseException] = []
+        self._thread = threading.Thread(
+            target=self._run, args=(work,), name="agl-weight-sync", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, work: Callable[[], Any]) -> None:
         try:
-            result.append(work())
-        except BaseException as error:  # reported below, in the caller's thread
-            failure.append(error)
+            self._result.append(work())
+        except BaseException as error:  # reported by result(), in the caller's thread
+            self._failure.append(error)
 
-    thread = threading.Thread(target=run, name="agl-weight-sync", daemon=True)
-    thread.start()
-    calls()  # raising here leaves the daemon thread to its timeout
-    thread.join()
-    if failure:
-        raise failure[0]
-    return result[0]
+    def result(self) -> Any:
+        self._thread.join()
+        if self._failure:
+            raise self._failure[0]
+        return self._result[0]
 
 
 def world_of(workers: Sequence[int]) -> tuple[int, list[int]]:

@@ -20,6 +20,7 @@ from agl.core.user_error import UserError
 if TYPE_CHECKING:
     from agl.backends.inference.models import LoadedModel
     from agl.backends.inference.service import InferenceService
+    from agl.backends.training.verl.ray import RayVerlPolicy
     from agl.core.contracts.execution import Executor
     from agl.core.contracts.training import Policy
 
@@ -77,7 +78,7 @@ def _training_side(
     if config.on_ray:  # backend.ranks > 1: verl's FSDP workers on Ray
         from agl.backends.training.verl.ray import RayVerlPolicy
 
-        return RayVerlPolicy(
+        ray_policy = RayVerlPolicy(
             loaded.model,
             config,
             tokenizer=loaded.tokenizer,
@@ -86,6 +87,8 @@ def _training_side(
             weights_from=loaded.weights_from,
             trust_remote_code=loaded.trust_remote_code,
         )
+        _publish_from_rank_zero(ray_policy, server)
+        return ray_policy
     return VerlPolicy(
         loaded.model,
         config,
@@ -93,6 +96,17 @@ def _training_side(
         paused=server.paused,
         work_dir=run_dir / "verl",
     )
+
+
+def _publish_from_rank_zero(policy: RayVerlPolicy, server: InferenceService) -> None:
+    """vLLM with ``weight_sync=distributed``: verl's rank 0 broadcasts the weights to the
+    replicas itself, so no step gathers a full state dict through Ray into the trainer's
+    module (``ray.RayWeightSource``). The embedded engine, or ``weight_sync=file``, serve
+    or write the trainer's module: the policy keeps loading the weights into it."""
+    from agl.backends.inference.vllm import VllmServers
+
+    if isinstance(server, VllmServers) and server.options.weight_sync == "distributed":
+        server.publish_from(policy.weight_source())
 
 
 def inference_key(options: dict[str, Any]) -> str:

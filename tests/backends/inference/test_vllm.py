@@ -554,14 +554,16 @@ def test_attach_to_running_servers(served: Served) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # a whole run, vLLM's start included, as its subprocess
-@pytest.mark.parametrize("backend", ["torch", "verl"])
-def test_agl_train_runs_on_vllm(tmp_path: Path, backend: str) -> None:
+@pytest.mark.parametrize(("backend", "ranks"), [("torch", 1), ("verl", 1), ("verl", 2)])
+def test_agl_train_runs_on_vllm(tmp_path: Path, backend: str, ranks: int) -> None:
     """``python -m agl.train inference=vllm`` on the tiny model: vLLM serves the rollouts,
     each update is broadcast to it (``weight_sync=distributed``, the default: no weights
     file written after the replica's start), and (torch backend) the trainer's
     recomputed logprobs of what vLLM sampled equal the recorded ones, so the served
     weights were the trained ones. ``backend=verl``: verl's FSDP2 engine trains the module
-    vLLM is published from (the pairing of experiments/calc/gpu.yaml)."""
+    vLLM is published from (the pairing of experiments/calc/gpu.yaml); with
+    ``backend.ranks=2`` (verl's workers on Ray) verl's rank 0 broadcasts every update
+    itself, the trainer's module not in the way."""
     python = find_vllm_python()
     if python is None:
         pytest.skip(VLLM_MISSING)
@@ -572,6 +574,7 @@ def test_agl_train_runs_on_vllm(tmp_path: Path, backend: str) -> None:
         "inference=vllm",
         f"inference.python={python}",
         f"backend={backend}",
+        *([f"backend.ranks={ranks}"] if ranks > 1 else []),
         "task.sampling.temperature=0.7",
         timeout=900,
     )
@@ -584,4 +587,6 @@ def test_agl_train_runs_on_vllm(tmp_path: Path, backend: str) -> None:
     published = [
         line for line in (tmp_path / "train.log").read_text().splitlines() if "published" in line
     ]
-    assert len(published) >= 3 and all("MiB broadcast" in line for line in published)
+    sender = "verl's rank 0" if ranks > 1 else "the trainer"
+    assert len(published) >= 3
+    assert all(f"MiB broadcast by {sender}" in line for line in published), published

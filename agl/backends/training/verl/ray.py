@@ -22,7 +22,18 @@ weights, mini-batches and the ``TensorDict`` handed over are the in-process path
 3. **Weights back.** After a step rank 0 gathers the full state dict
    (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``, a collective every
    rank joins), and the trainer loads it into its module under ``paused()``: the embedded
-   engine then serves it; a vLLM backend publishes from the module.
+   engine then serves it; vLLM with ``weight_sync=file`` publishes from the module.
+   With vLLM and ``weight_sync=distributed`` (``build.policy_for`` wires it) nothing comes
+   back: verl's rank 0 is the weight sender (:class:`RayWeightSource`). It hosts the
+   group the replicas join (:meth:`AglTrainingWorker.agl_weight_listen`), and per publish
+   every rank walks the module's parameters in order, gathering each (``full_tensor``, a
+   collective) while rank 0 packs it in the serving dtype and broadcasts bucket by
+   bucket (:meth:`AglTrainingWorker.agl_send_weights`), as the replicas receive it
+   against the manifest rank 0 computed from parameter metadata beforehand: no full
+   state dict is held, nor goes through Ray's object store. The trainer's module then
+   keeps the starting weights: nothing reads it during training (π_old and the
+   reference are the workers', checkpoints are verl's; after a ``load`` the trainer
+   publishes from rank 0 too).
 4. **Checkpoints** are verl's (``save_checkpoint``/``load_checkpoint`` on every rank, one
    shard per rank under ``folder/verl``); a load pulls the weights back as in 3.
 
@@ -77,6 +88,13 @@ from verl.single_controller.base.decorator import (
 from verl.workers.engine_workers import TrainingWorker
 
 from agl.backends.inference.vllm_placement import CUDA_VISIBLE_DEVICES, visible_gpus
+from agl.backends.inference.weight_sync import (
+    BUCKET_BYTES,
+    WeightSender,
+    full,
+    parameter_specs,
+    plan_specs,
+)
 from agl.backends.training.lr_schedule import LrSchedule
 from agl.backends.training.verl.config import VerlBackendConfig
 from agl.backends.training.verl.loss import loss_fn
@@ -104,7 +122,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AglTrainingWorker", "RayVerlPolicy", "RayWorkers", "start_ray"]
+__all__ = ["AglTrainingWorker", "RayVerlPolicy", "RayWeightSource", "RayWorkers", "start_ray"]
 
 
 # --- the worker (runs inside a Ray actor process) ------------------------------------------
@@ -233,6 +251,70 @@ class AglTrainingWorker(TrainingWorker):
         )
         return {k: v.detach().clone() for k, v in state.items()}
 
+    # -- rank 0 as vLLM's weight sender (RayWeightSource): called on the actors directly
+
+    def agl_weight_listen(
+        self, peer_host: str, world_size: int, backend: str, timeout_s: float
+    ) -> tuple[str, int]:
+        """Rank 0 only: serve the weight-sync group's store on this node's route to
+        ``peer_host`` (a replica) and start joining the group (it waits for the replicas;
+        :meth:`agl_weight_joined` waits for it); answers where the replicas join."""
+        self.agl_sender = WeightSender(peer_host, timeout_s=timeout_s)
+        return self.agl_sender.listen(world_size, backend)
+
+    def agl_weight_joined(self) -> None:
+        """Rank 0 only: wait for the group :meth:`agl_weight_listen` started."""
+        self._sender().joined()
+
+    def agl_weight_manifest(self, dtype: str, policy_version: int) -> str:
+        """Rank 0 only: the manifest of the next :meth:`agl_send_weights`, from the
+        parameters' metadata (nothing gathered)."""
+        return self._sender().manifest(self._weight_plan(dtype), _dtype(dtype), policy_version)
+
+    def agl_send_weights(self, dtype: str) -> int:
+        """Every rank: each parameter gathered in plan order (``full_tensor``: all ranks
+        join each); rank 0 packs them in ``dtype`` and broadcasts each bucket to the
+        replicas. Answers the bytes sent (0 off rank 0)."""
+        import torch
+        import torch.distributed as dist
+        from verl.utils.fsdp_utils import load_fsdp_model_to_gpu, offload_fsdp_model_to_cpu
+
+        engine = self._fsdp_engine()
+        buckets = self._weight_plan(dtype)
+        # param_offload keeps the shards in host memory between updates; NCCL gathers
+        # device memory: on the GPU for the send, as verl's own per-tensor sync does.
+        staged = bool(getattr(engine, "_is_offload_param", False)) and torch.cuda.is_available()
+        if staged:
+            load_fsdp_model_to_gpu(engine.module)
+        _, tensors = parameter_specs(engine.module)  # after the move: the moved shards
+
+        def produce(entry: Any) -> torch.Tensor:
+            return full(tensors[entry.index])
+
+        try:
+            if dist.get_rank() != 0:
+                with torch.no_grad():
+                    for bucket in buckets:
+                        for entry in bucket.entries:
+                            produce(entry)  # this rank's part of each gather
+                return 0
+            sender = self._sender()
+            device = sender.device or torch.device("cuda", torch.cuda.current_device())
+            return sender.push(buckets, _dtype(dtype), device, produce)
+        finally:
+            if staged:
+                offload_fsdp_model_to_cpu(engine.module)
+
+    def _weight_plan(self, dtype: str) -> list[Any]:
+        specs, _ = parameter_specs(self._fsdp_engine().module)
+        return plan_specs(specs, _dtype(dtype), BUCKET_BYTES)
+
+    def _sender(self) -> WeightSender:
+        sender: WeightSender | None = getattr(self, "agl_sender", None)
+        if sender is None:
+            raise RuntimeError("rank 0 holds no weight-sync group (agl_weight_listen first)")
+        return sender
+
     @register(dispatch_mode=ONE_TO_ALL)
     def agl_optimizer_steps(self) -> int:
         """AdamW steps this rank has taken (every rank answers: they must agree)."""
@@ -246,6 +328,15 @@ class AglTrainingWorker(TrainingWorker):
     @register(dispatch_mode=ONE_TO_ALL_RANK_ZERO)
     def agl_dp_size(self) -> int:
         return int(self.engine.get_data_parallel_size())
+
+
+def _dtype(name: str) -> torch.dtype:
+    """A torch dtype from its name (``float32``), as the manifest spells it."""
+    import torch
+
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype), name
+    return dtype
 
 
 # --- Ray and the worker group (the trainer's side) ----------------------------------------
@@ -476,7 +567,8 @@ class RayVerlPolicy(VerlPolicy):
     """agl's ``Policy`` on verl's ``RayWorkerGroup`` of FSDP workers (see the module doc).
 
     ``model`` (the module the inference engine serves) stays a plain module on the
-    trainer; after every ``train()`` and ``load()`` it holds the workers' weights.
+    trainer; after every ``train()`` and ``load()`` it holds the workers' weights, unless
+    ``weight_source()`` was given out (the engine then gets them from rank 0).
     """
 
     def __init__(
@@ -505,6 +597,7 @@ class RayVerlPolicy(VerlPolicy):
         # workers (and a Ray we started) at exit, before Ray's own handler (LIFO).
         atexit.register(self.close)
         self._dp = int(self.workers.group.agl_dp_size())
+        self.publishes_itself = False  # weight_source() was given out: no _pull per step
         self.startup_s = time.perf_counter() - start
         logger.info("verl on Ray: %d ranks ready in %.1fs", config.ranks, self.startup_s)
 
@@ -527,7 +620,15 @@ class RayVerlPolicy(VerlPolicy):
         return output["log_probs"]
 
     def _refresh(self) -> None:
-        self._pull()
+        if not self.publishes_itself:
+            self._pull()
+
+    def weight_source(self) -> RayWeightSource:
+        """verl's rank 0 as the inference engine's weight sender; from now on a step no
+        longer loads the weights into the trainer's module (the engine gets them from
+        rank 0: ``VllmServers.publish_from``)."""
+        self.publishes_itself = True
+        return RayWeightSource(self.workers.group, self.config.device)
 
     def _dp_size(self) -> int:
         return self._dp
@@ -561,7 +662,7 @@ class RayVerlPolicy(VerlPolicy):
         self.workers.group.load_checkpoint(path, del_local_after_load=False)
         if self.config.kl_coef and (folder / self.REFERENCE).is_dir():
             self.workers.group.agl_reference_load(str(folder / self.REFERENCE))
-        self._pull()
+        self._refresh()  # the trainer publishes after a load (its resume)
 
     def close(self) -> None:
         """Stop the workers (and Ray, if this policy started it); idempotent."""
@@ -569,6 +670,79 @@ class RayVerlPolicy(VerlPolicy):
         self.workers.close()
         if self._own_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+class RayWeightSource:
+    """verl's rank 0 as the sender of vLLM's weight-sync group (``weight_sync.WeightSource``):
+    the trainer asks the replicas to join and receive while the workers host the group
+    and broadcast. Every rank's ``agl_send_weights`` runs at once (Ray futures, one per
+    actor), since each gather is a collective of all ranks.
+
+    Invariant: ``send`` returns only when every replica answered ``receive`` and every
+    rank finished its part; on a failure the source is disconnected (the next publish
+    makes rank 0 host a new group)."""
+
+    def __init__(self, group: Any, device: str) -> None:
+        self._group = group
+        self._device = device
+        self._connected = False
+
+    @property
+    def _workers(self) -> list[Any]:
+        return list(self._group._workers)  # the actors, in rank order
+
+    name = "verl's rank 0"
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    @property
+    def on_gpu(self) -> bool:
+        import ray
+
+        if self._device in ("cpu", "cuda"):
+            return self._device == "cuda"
+        return bool(ray.cluster_resources().get("GPU", 0) >= 1)  # _device's rule
+
+    def connect(
+        self,
+        peer_host: str,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        join: Callable[[str, int], None],
+    ) -> None:
+        import ray
+
+        rank0 = self._workers[0]
+        self._connected = False
+        address, port = ray.get(
+            rank0.agl_weight_listen.remote(peer_host, world_size, backend, timeout_s)
+        )
+        join(address, port)  # the replicas join; rank 0's thread meanwhile builds the group
+        ray.get(rank0.agl_weight_joined.remote())
+        self._connected = True
+
+    def send(self, dtype: torch.dtype, policy_version: int, receive: Callable[[str], None]) -> int:
+        import ray
+
+        name = str(dtype).removeprefix("torch.")
+        workers = self._workers
+        manifest = ray.get(workers[0].agl_weight_manifest.remote(name, policy_version))
+        sending = [w.agl_send_weights.remote(name) for w in workers]
+        try:
+            receive(manifest)
+            return int(ray.get(sending)[0])
+        except BaseException:
+            # rank 0 may still be mid-broadcast: the next publish builds a new group
+            self._connected = False
+            raise
+
+    def close(self) -> None:
+        """Forget the group (rank 0 replaces it at the next ``connect``): no call to the
+        workers, which may be gone already."""
+        self._connected = False
 
 
 def _tied(model: transformers.PreTrainedModel, name: str) -> bool:
