@@ -369,6 +369,9 @@ def start_ray(
         declared = override_env(CUDA_VISIBLE_DEVICES, ",".join(training))
         with declared if training else nullcontext():
             ray.init(
+                # A Ray of its own, even where a cluster runs on this machine (ray start,
+                # another run): a plain init would join that one instead.
+                address="local",
                 num_cpus=num_cpus,
                 num_gpus=len(training),
                 include_dashboard=False,
