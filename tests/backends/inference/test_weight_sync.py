@@ -31,10 +31,9 @@ from agl.backends.inference.vllm import WEIGHTS_FILE, VllmOptions, VllmServers, 
 from agl.backends.inference.weight_receiver import unpack
 from agl.backends.inference.weight_sync import ALIGN, pack, plan, serving_dtype, world_of
 from agl.core.ports import free_port
+from tests.helpers.prompt_logprobs import LOGPROB_TOL, PROMPT, module_logprobs, served_logprobs
 
 VLLM_MISSING = "vLLM is not installed: bash tests/vllm/install.sh (or set AGL_VLLM_PYTHON)"
-LOGPROB_TOL = 2e-3  # test_vllm.py's: float32 kernels differ by ~1e-5
-PROMPT = [1, 5, 9, 2, 7, 3, 8, 4, 6, 10, 11, 12]
 
 
 class Tied(torch.nn.Module):
@@ -112,26 +111,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LoadedMod
         yield loaded, s
 
 
-def served_logprobs(url: str) -> torch.Tensor:
-    """log p(PROMPT[i] | PROMPT[:i]) as the replica at ``url`` computes it."""
-    answer = httpx.post(
-        f"{url}/completions",
-        json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 0},
-        timeout=120,
-    )
-    assert answer.status_code == 200, answer.text[:500]
-    rows = answer.json()["choices"][0]["prompt_logprobs"][1:]
-    return torch.tensor(
-        [row[str(token)]["logprob"] for row, token in zip(rows, PROMPT[1:], strict=True)]
-    )
-
-
-@torch.no_grad()
-def trainer_logprobs(model: torch.nn.Module) -> torch.Tensor:
-    logits = model(input_ids=torch.tensor([PROMPT])).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
-
-
 def optimizer_step(model: torch.nn.Module) -> None:
     """One real step (next-token loss on the prompt, a large learning rate): every
     parameter the loss reaches moves, the embeddings and the LM head included."""
@@ -148,7 +127,7 @@ def weight_info(url: str) -> str:
 
 
 def assert_serving(loaded: LoadedModel, servers: VllmServers, version: int) -> None:
-    expected = trainer_logprobs(loaded.model)
+    expected = module_logprobs(loaded.model)
     for url in servers.endpoints:
         diff = float((served_logprobs(url) - expected).abs().max())
         assert diff < LOGPROB_TOL, (url, diff)
@@ -163,14 +142,14 @@ def test_distributed_publish_writes_no_file_and_serves_the_trained_policy(
     loaded, servers = served
     weights = servers.weights_dir / WEIGHTS_FILE
     written = weights.stat()
-    before = trainer_logprobs(loaded.model)
+    before = module_logprobs(loaded.model)
     for version in (1, 2):
         optimizer_step(loaded.model)
         started = time.monotonic()
         servers.publish(version)
         assert time.monotonic() - started < servers.options.request_timeout_s
         assert_serving(loaded, servers, version)
-    moved = float((trainer_logprobs(loaded.model) - before).abs().max())
+    moved = float((module_logprobs(loaded.model) - before).abs().max())
     assert moved > 50 * LOGPROB_TOL  # the steps changed what a stale replica would serve
     after = weights.stat()
     assert (after.st_mtime_ns, after.st_size, after.st_ino) == (

@@ -37,31 +37,10 @@ from agl.backends.inference.vllm import WEIGHTS_FILE, VllmOptions, VllmServers, 
 from agl.backends.training.verl.config import VerlBackendConfig
 from agl.backends.training.verl.ray import RayVerlPolicy, start_ray
 from agl.strategies.registry import get
+from tests.helpers.prompt_logprobs import LOGPROB_TOL, module_logprobs, served_logprobs
 from tests.helpers.verl_batches import CLIP_HIGH, CLIP_LOW, SAMPLED, sampled_batch
 
 RANKS = 2
-LOGPROB_TOL = 2e-3  # test_weight_sync.py's: float32 kernels differ by ~1e-5
-PROMPT = [1, 5, 9, 2, 7, 3, 8, 4, 6, 10, 11, 12]
-
-
-def served_logprobs(url: str) -> torch.Tensor:
-    """log p(PROMPT[i] | PROMPT[:i]) as the replica at ``url`` computes it."""
-    answer = httpx.post(
-        f"{url}/completions",
-        json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 0},
-        timeout=120,
-    )
-    assert answer.status_code == 200, answer.text[:500]
-    rows = answer.json()["choices"][0]["prompt_logprobs"][1:]
-    return torch.tensor(
-        [row[str(token)]["logprob"] for row, token in zip(rows, PROMPT[1:], strict=True)]
-    )
-
-
-@torch.no_grad()
-def logprobs_of(model: torch.nn.Module) -> torch.Tensor:
-    logits = model(input_ids=torch.tensor([PROMPT])).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +116,7 @@ def test_rank_zero_sends_the_trained_weights_to_vllm(setup: dict[str, Any]) -> N
         print(f"rank-0 publish {version}: {time.monotonic() - started:.2f} s")
         assert calls == {"full_state_dict": 0, "pull": 0}
         workers.load_state_dict(gather(), strict=False)  # uncounted: the check's own copy
-        expected = logprobs_of(workers)
+        expected = module_logprobs(workers)
         served = served_logprobs(servers.url)
         assert float((served - expected).abs().max()) < LOGPROB_TOL
         version_info = httpx.get(f"{servers.endpoints[0].removesuffix('/v1')}/weight_info")

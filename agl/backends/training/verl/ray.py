@@ -631,7 +631,7 @@ class RayVerlPolicy(VerlPolicy):
         longer loads the weights into the trainer's module (the engine gets them from
         rank 0: ``VllmServers.publish_from``)."""
         self.publishes_itself = True
-        return RayWeightSource(self.workers.group, self.config.device)
+        return RayWeightSource(self.workers.group, _device(self.config))
 
     def _dp_size(self) -> int:
         return self._dp
@@ -686,6 +686,7 @@ class RayWeightSource:
     makes rank 0 host a new group)."""
 
     def __init__(self, group: Any, device: str) -> None:
+        """``device``: where the ranks compute (``_device``'s answer, cpu or cuda)."""
         self._group = group
         self._device = device
         self._connected = False
@@ -702,11 +703,7 @@ class RayWeightSource:
 
     @property
     def on_gpu(self) -> bool:
-        import ray
-
-        if self._device in ("cpu", "cuda"):
-            return self._device == "cuda"
-        return bool(ray.cluster_resources().get("GPU", 0) >= 1)  # _device's rule
+        return self._device == "cuda"
 
     def connect(
         self,
