@@ -19,7 +19,6 @@ Skipped where verl or Ray is missing.
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -30,7 +29,6 @@ pytest.importorskip("verl", reason="verl 0.9.1 is not installed: pip install --n
 pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[verl]'")
 pytest.importorskip("peft", reason="verl's FSDP engine imports peft: pip install -e '.[verl]'")
 
-import psutil
 import ray
 import torch
 from ray.cluster_utils import Cluster
@@ -42,6 +40,7 @@ from agl.backends.training.verl import ray as verl_ray
 from agl.backends.training.verl.config import VerlBackendConfig
 from agl.backends.training.verl.ray import RayVerlPolicy, check_fits, start_ray, training_gpus
 from agl.strategies.registry import get
+from tests.helpers.ray_processes import gone
 from tests.helpers.verl_batches import CLIP_HIGH, CLIP_LOW, SAMPLED, sampled_batch
 
 TAG = f"agl-test-verl-placement-{uuid.uuid4().hex[:8]}"
@@ -102,33 +101,13 @@ def test_local_ray_takes_the_first_ranks_gpus() -> None:
         training_gpus(visible, 9)
 
 
-def _tagged(tag: str) -> list[psutil.Process]:
-    """Live processes (not this one) whose environment carries ``AGL_RAY_TEST=tag``."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            mine = proc.pid != os.getpid() and proc.environ().get("AGL_RAY_TEST") == tag
-            if mine and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
-def _gone(tag: str, timeout_s: float = 30.0) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout_s
-    while (left := _tagged(tag)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
-
-
 @pytest.fixture
 def tagged_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Every Ray process the test starts carries a tag; none may outlive it."""
     tag = f"{TAG}-{uuid.uuid4().hex[:4]}"
     monkeypatch.setenv("AGL_RAY_TEST", tag)
     yield tag
-    left = _gone(tag)
+    left = gone(tag)
     assert not left, f"Ray processes outlived the test: {[p.cmdline()[:2] for p in left]}"
 
 

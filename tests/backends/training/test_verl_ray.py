@@ -37,7 +37,6 @@ pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[verl]
 pytest.importorskip("peft", reason="verl's FSDP engine imports peft: pip install -e '.[verl]'")
 
 
-import psutil
 import ray
 import torch
 from verl.utils import tensordict_utils as tu
@@ -48,6 +47,7 @@ from agl.backends.training.torch import TorchBackend, TorchBackendConfig
 from agl.backends.training.verl.config import VerlBackendConfig
 from agl.backends.training.verl.ray import RayVerlPolicy, start_ray
 from agl.strategies.registry import get
+from tests.helpers.ray_processes import gone
 from tests.helpers.train_runs import run_train, trained_two_steps
 from tests.helpers.verl_batches import CLIP_HIGH, CLIP_LOW, SAMPLED, sampled_batch
 
@@ -55,27 +55,6 @@ RANKS = 2
 # Marks every process this module's Ray starts (they inherit the environment), so the
 # leak check finds ours and not another engineer's Ray on the same machine.
 TAG = f"agl-test-verl-ray-{uuid.uuid4().hex[:8]}"
-
-
-def _tagged(tag: str) -> list[psutil.Process]:
-    """Live processes (not this one) whose environment carries ``AGL_RAY_TEST=tag``."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            mine = proc.pid != os.getpid() and proc.environ().get("AGL_RAY_TEST") == tag
-            if mine and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
-def _gone(tag: str, timeout_s: float = 30.0) -> list[psutil.Process]:
-    """The tagged processes still alive after ``timeout_s`` (Ray stops asynchronously)."""
-    deadline = time.monotonic() + timeout_s
-    while (left := _tagged(tag)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
 
 
 @pytest.mark.slow
@@ -90,7 +69,7 @@ def test_agl_train_runs_verl_on_two_ray_ranks(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     steps = trained_two_steps(tmp_path)
     print("agl.train 2 ranks, train_s per step:", [round(r["time/train_s"], 2) for r in steps])
-    left = _gone(tag)
+    left = gone(tag)
     assert not left, f"Ray processes outlived agl.train: {[p.cmdline()[:2] for p in left]}"
 
 
@@ -103,7 +82,7 @@ def local_ray() -> Iterator[None]:
     finally:
         ray.shutdown()
         os.environ.pop("AGL_RAY_TEST", None)
-    left = _gone(TAG)
+    left = gone(TAG)
     assert not left, f"Ray processes outlived the tests: {[p.cmdline()[:2] for p in left]}"
 
 
