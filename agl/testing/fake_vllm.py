@@ -6,10 +6,13 @@ It answers ``/v1/chat/completions`` as vLLM does when asked for ``logprobs`` and
 ``/v1/completions`` (text completions) likewise, in vLLM's completions shape:
 ``prompt_token_ids`` and ``token_ids`` on each choice, completions-style ``logprobs``.
 ``/tokenize`` counts a prompt as vLLM's does.
-Tokens are bytes of a tiny fixed chat template, so tests can predict every id.
+Tokens are bytes of a tiny fixed chat template, so tests can predict every id. With
+``token_bytes`` > 1 (benchmarks at coding-agent scale) a token is that many bytes of
+text instead, each message's ids cached (:class:`WideTokens`): a conversation's next
+prompt then starts with its last prompt and the ids sampled for its answer.
 Failures and delays are injected through attributes (in process) or ``POST /control``.
 
-``python -m agl.testing.fake_vllm port=8001`` runs it standalone.
+``python -m agl.testing.fake_vllm port=8001 [token_bytes=4]`` runs it standalone.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import random
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,6 +48,51 @@ def prompt_ids(messages: list[dict[str, Any]]) -> list[int]:
         text = content if isinstance(content, str) else orjson.dumps(content).decode()
         ids += [BOS, ROLE_IDS.get(m.get("role", "user"), 7), *encode(text), EOS]
     return [*ids, BOS, ROLE_IDS["assistant"]]
+
+
+class WideTokens:
+    """One token per ``width`` bytes of text, as a real tokenizer's ~4: a chat's prompt
+    ids are its messages' templates (as :func:`prompt_ids`) joined, each message's cached
+    (least recently used dropped past ``cache_size``), so the ids of a long conversation
+    cost the server only its new messages. An answer's text becomes the same ids when it
+    comes back as an assistant message: every prompt extends the last one and its answer."""
+
+    VOCAB = 1 << 17  # ids of width-byte chunks: 256 + BYTE_OFFSET up to this
+
+    def __init__(self, width: int, cache_size: int = 4096) -> None:
+        if width < 2:
+            raise ValueError(f"width must be at least 2 bytes a token, not {width}")
+        self.width = width
+        self.cache_size = cache_size
+        self._messages: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+
+    def encode(self, text: str) -> list[int]:
+        data, w, top = text.encode(), self.width, self.VOCAB - 256 - BYTE_OFFSET
+        first = 256 + BYTE_OFFSET
+        return [first + int.from_bytes(data[i : i + w]) % top for i in range(0, len(data), w)]
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        ids: list[int] = []
+        for m in messages:
+            content = m.get("content")
+            text = content if isinstance(content, str) else orjson.dumps(content).decode()
+            role = m.get("role", "user")
+            key = (str(role), text)
+            cached = self._messages.get(key)
+            if cached is None:
+                cached = [BOS, ROLE_IDS.get(role, 7), *self.encode(text), EOS]
+                self._messages[key] = cached
+                if len(self._messages) > self.cache_size:
+                    self._messages.popitem(last=False)
+            else:
+                self._messages.move_to_end(key)
+            ids += cached
+        return [*ids, BOS, ROLE_IDS["assistant"]]
+
+    def pieces(self, text: str) -> list[str]:
+        """The text of each of ``encode(text)``'s tokens, as a stream sends them."""
+        data, w = text.encode(), self.width
+        return [data[i : i + w].decode(errors="ignore") for i in range(0, len(data), w)]
 
 
 def logprob(position: int) -> float:
@@ -76,8 +125,10 @@ class _Answer:
 class FakeVllm:
     """The server's state; tests change ``fail_next`` / ``delay_s`` between calls."""
 
-    def __init__(self, model: str = "fake-model") -> None:
+    def __init__(self, model: str = "fake-model", token_bytes: int = 1) -> None:
         self.model = model
+        # None: a token per byte (tests predict every id); else WideTokens.
+        self.wide = WideTokens(token_bytes) if token_bytes > 1 else None
         self.fail_next: list[int] = []
         self.fail_rate = 0.0  # this share of calls, at random, answer 500
         self.delay_s = 0.0
@@ -122,6 +173,12 @@ class FakeVllm:
         scripted = self.script(messages) if self.script is not None else None
         text = scripted if scripted is not None else reply_for(messages)
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        if self.wide is not None:
+            ids = self.wide.encode(text)
+            if max_tokens is not None and max_tokens < len(ids):
+                text = text.encode()[: max_tokens * self.wide.width].decode(errors="ignore")
+                return _Answer(text, None, self.wide.encode(text), "length")
+            return _Answer(text, None, [*ids, EOS], "stop")
         if max_tokens is not None and max_tokens < len(text.encode()):
             text = text.encode()[:max_tokens].decode(errors="ignore")
             return _Answer(text, None, encode(text), "length")
@@ -171,7 +228,8 @@ class FakeVllm:
             return _bad_request(f"invalid request: {error!r}")  # vLLM answers 400, not 500
         want_ids = bool(body.get("return_token_ids"))
         want_logprobs = bool(body.get("logprobs"))
-        prompt = prompt_ids(body["messages"])
+        messages = body["messages"]
+        prompt = self.wide.prompt_ids(messages) if self.wide else prompt_ids(messages)
         if body.get("stream"):
             return await self._stream(request, body, answer, prompt, want_ids, want_logprobs)
         choice: dict[str, Any] = {
@@ -235,7 +293,7 @@ class FakeVllm:
             "finish_reason": None,
         }
         await send(first, **({"prompt_token_ids": prompt} if want_ids else {}))
-        pieces = _pieces(answer)
+        pieces = _pieces(answer, self.wide)
         for i, (token, delta) in enumerate(pieces):
             if self.stream_break_after is not None and i >= self.stream_break_after:
                 request.transport.close()  # type: ignore[union-attr]
@@ -396,8 +454,13 @@ def _bad_request(message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "code": 400}}, status=400)
 
 
-def _pieces(answer: _Answer) -> list[tuple[int, dict[str, Any]]]:
+def _pieces(answer: _Answer, wide: WideTokens | None = None) -> list[tuple[int, dict[str, Any]]]:
     """(token id, delta) per sampled token, as vLLM streams them."""
+    if wide is not None and not answer.tool_calls:
+        texts = wide.pieces(answer.text or "")
+        return [
+            (t, {"content": texts[i]} if i < len(texts) else {}) for i, t in enumerate(answer.ids)
+        ]
     if answer.tool_calls:
         call = answer.tool_calls[0]
         arguments = call["function"]["arguments"]
@@ -468,7 +531,7 @@ def serve_in_thread(
 
 def main(argv: list[str]) -> None:
     options = dict(arg.split("=", 1) for arg in argv)
-    fake = FakeVllm()
+    fake = FakeVllm(token_bytes=int(options.get("token_bytes", "1")))
     fake.fail_rate = float(options.get("fail_rate", "0"))
     web.run_app(
         fake.app,

@@ -542,8 +542,8 @@ def test_ten_thousand_rollouts_cost_a_few_queries_per_page(
     statements: list[str] = []
     opened = gateway_module.open_store
 
-    def traced(url: str, fsync: bool = False) -> Any:
-        store = opened(url, fsync)
+    def traced(url: str, **options: Any) -> Any:
+        store = opened(url, **options)
         store._db.set_trace_callback(statements.append)
         return store
 

@@ -2,7 +2,9 @@
 
 ``pause`` closes the gate and returns once every admitted call has finished; a call that
 arrives while the gate is closed waits (it is never refused) and goes on after ``resume``.
-The harness sees only a slower answer, never the phase switch.
+The harness sees only a slower answer, never the phase switch. The gate is this
+process's; replicas sharing a store follow one admission state through
+:mod:`agl.core.gateway.replicas`.
 """
 
 from __future__ import annotations
@@ -54,12 +56,20 @@ class AdmissionGate:
 
     async def pause(self, timeout_s: float | None = None) -> bool:
         """Close the gate; True once drained, False if ``timeout_s`` passed first."""
-        self._open.clear()
+        self.close()
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            await asyncio.wait_for(self.idle(), timeout_s)
         except TimeoutError:
             return False
         return True
+
+    def close(self) -> None:
+        """Hold every call that arrives from now on (see :meth:`pause`)."""
+        self._open.clear()
+
+    async def idle(self) -> None:
+        """Return once no admitted call is in flight."""
+        await self._idle.wait()
 
     def resume(self) -> None:
         self._open.set()

@@ -27,11 +27,12 @@ from agl.core.gateway.config import GatewayConfig
 from agl.core.gateway.connections import BodyTimeout, RefusalDelay
 from agl.core.gateway.openapi import OpenApiExtras
 from agl.core.gateway.proxy import RecordingProxy
-from agl.core.gateway.ratelimit import AttemptRateLimit
+from agl.core.gateway.ratelimit import AttemptRateLimit, SharedRateLimit
+from agl.core.gateway.replicas import ReplicaGroup, Solo
 from agl.core.gateway.routes import api_router
 from agl.core.gateway.seeding import RequestSeeds
-from agl.core.gateway.service import ADMISSION_META, Gateway
-from agl.core.gateway.store import open_store
+from agl.core.gateway.service import Gateway
+from agl.core.gateway.store import SharedStore, open_store
 from agl.core.gateway.upstream import RetryPolicy, Upstream
 from agl.core.gateway.wire import describe
 from agl.core.http_errors import ApiError, error_response
@@ -49,7 +50,13 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = open_store(config.store_url, fsync=config.fsync)
+        store = open_store(
+            config.store_url,
+            fsync=config.fsync,
+            password_file=config.store_password_file,
+            lease_s=config.replica_lease_s,
+        )
+        await store.connect()
         secret = await store.set_meta_once("secret", secrets.token_hex(32))
         upstream = Upstream(
             RetryPolicy(config.upstream_retries, config.upstream_backoff_s),
@@ -58,17 +65,27 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         )
         await upstream.start()
         seeds = RequestSeeds(config.sampling_seed) if config.sampling_seed >= 0 else None
-        proxy = RecordingProxy(store, upstream, AdmissionGate(), seeds)
+        proxy = RecordingProxy(
+            store, upstream, AdmissionGate(), seeds, int(config.prompt_cache_mb * 2**20)
+        )
         proxy.router.load(await store.list_models())
-        # A gateway restarted while the trainer updates weights keeps calls out until the
-        # trainer resumes admission, as the one that died did.
-        if await store.get_meta(ADMISSION_META) == "paused":
-            await proxy.gate.pause()
+        # Replicas share admission and the rate limit through their store; a gateway
+        # alone keeps both in the process.
+        admission: Solo | ReplicaGroup
+        limit: AttemptRateLimit | SharedRateLimit
+        if isinstance(store, SharedStore):
+            admission = ReplicaGroup(store, proxy, config.replica_heartbeat_s)
+            limit = SharedRateLimit(store, config.attempt_rps, config.attempt_burst)
+        else:
+            admission = Solo(store, proxy)
+            limit = AttemptRateLimit(config.attempt_rps, config.attempt_burst)
+        await admission.start()  # paused, if the trainer paused it
         gateway = Gateway(
             store,
             Keyring(admin_token, bytes.fromhex(secret)),
             proxy,
-            AttemptRateLimit(config.attempt_rps, config.attempt_burst),
+            admission,
+            limit,
             config.max_events_per_post,
         )
         holder["gateway"] = gateway
@@ -79,6 +96,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
+            await admission.stop()
             await upstream.close()
             await store.close()
 

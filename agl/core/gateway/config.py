@@ -49,7 +49,9 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     run_dir: str = "runs/gateway"
-    store: str = ""  # a store URL; default: run_dir/gateway.db
+    # The store: sqlite:///path or a path (embedded, one process; default
+    # run_dir/gateway.db), or postgresql://user@host:port/db, shared by replicas.
+    store: str = ""
     max_body_mb: float = 32.0
     # All request bodies in flight together (BodyLimit): past it a chunk gets 503.
     max_buffered_mb: float = 256.0
@@ -83,6 +85,18 @@ class GatewayConfig:
     # same rollouts. -1: off (the engine's own, shared generator samples them).
     sampling_seed: int = -1
     inference_key_file: str = ""
+    # Memory (per process) for each running attempt's recent calls, which a call that
+    # extends one is parsed, checked and stored against (agl/core/gateway/prompt_chain.py).
+    # An attempt dropped from it stores its next call whole. 0: every call stored whole.
+    prompt_cache_mb: float = 256.0
+    # The store's password, for a postgresql:// store (a mounted Secret); without it,
+    # $AGL_STORE_PASSWORD. Never in the URL: a command line is readable by every user.
+    store_password_file: str = ""
+    # Replicas sharing a PostgreSQL store (agl/core/gateway/replicas.py): each says it
+    # is alive every replica_heartbeat_s; one silent for replica_lease_s is dead (its
+    # pending answers are replayed by the others, admission stops waiting for it).
+    replica_heartbeat_s: float = 1.0
+    replica_lease_s: float = 5.0
 
     def __post_init__(self) -> None:
         check_port(self.port)
@@ -101,6 +115,13 @@ class GatewayConfig:
             raise ValueError(f"sampling_seed={self.sampling_seed}: a seed >= 0, or -1 for off")
         if self.refusal_delay_s < 0:
             raise ValueError(f"refusal_delay_s={self.refusal_delay_s} must be 0 (off) or more")
+        if self.prompt_cache_mb < 0:
+            raise ValueError(f"prompt_cache_mb={self.prompt_cache_mb} must be 0 (off) or more")
+        if not 0 < self.replica_heartbeat_s < self.replica_lease_s:
+            raise ValueError(
+                f"replica_heartbeat_s={self.replica_heartbeat_s} must be positive and less "
+                f"than replica_lease_s={self.replica_lease_s} (a live replica beats within it)"
+            )
         if self.max_body_mb <= 0:
             raise ValueError(f"max_body_mb={self.max_body_mb} must be positive")
         if self.max_buffered_mb < self.max_body_mb:

@@ -11,16 +11,28 @@ and their logprobs completions-style (``token_logprobs``). A call is acknowledge
 last byte sent) only after its event is stored, so nothing the harness received is
 missing from the record.
 
+A call's CPU does not grow with its context: the answer's prompt ids stay bytes
+(:mod:`agl.core.gateway.answer_ids`), and a prompt that extends an earlier call of its
+attempt (:mod:`agl.core.gateway.prompt_chain`: the last calls of each attempt, kept in
+this process) is compared with that call's as bytes; only the ids after it are parsed
+and checked, and the event is stored by what it adds
+(:mod:`agl.core.gateway.store.prompt_delta`). Any other prompt is parsed, checked and
+stored whole, as is every call of an attempt this process has not seen yet.
+
 The bytes sent are stored with the event as a pending answer until all of them are with
 the kernel. When the gateway dies in between, the harness never saw an answer the
 record holds; its retry of the same request (byte-identical, as OpenAI clients resend)
 from the same attempt, to the same API, gets those bytes again from the next gateway
 process instead of a second sample, so the call is recorded once. Within one process an
 identical request is a new call: a harness may sample the same prompt twice on purpose.
+Replicas sharing a store replay only a dead replica's answers: a retry that reaches one
+replica while another, alive, still holds the answer waits until it is delivered (then
+the retry is a new call) or its holder dies (``SharedStore.claim_answer``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -36,13 +48,15 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from agl.core.contracts.call_validity import invalid_reason
+from agl.core.contracts.call_validity import MAX_TOKEN_ID, invalid_reason, token_ids
 from agl.core.contracts.records import (
+    MAX_JSON_DEPTH,
     MODEL_REQUEST,
     MODEL_REQUEST_FAILED,
     EventIn,
     ModelEndpoint,
     parse_storable,
+    storable,
 )
 from agl.core.contracts.samples import Sampling
 from agl.core.contracts.sampling import (
@@ -58,10 +72,13 @@ from agl.core.contracts.text_rule import (
     text_rule_record,
 )
 from agl.core.gateway.admission import AdmissionGate, Ticket
+from agl.core.gateway.answer_ids import RawIds, parse_answer
 from agl.core.gateway.dialects import ANTHROPIC, Dialect, DialectError, StreamTranslator
+from agl.core.gateway.prompt_chain import Link, PromptChain
 from agl.core.gateway.router import Router
 from agl.core.gateway.seeding import RequestSeeds
 from agl.core.gateway.store.base import PendingAnswer, Store
+from agl.core.gateway.store.prompt_delta import PromptBase, input_key
 from agl.core.gateway.upstream import Upstream, UpstreamUnavailable
 from agl.core.http_errors import ApiError, json_error, upstream_error
 
@@ -84,7 +101,7 @@ class _Choice:
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: str | None = None
     stop_reason: object = None  # vLLM's: the stop string (or stop token id) that ended it
-    prompt_ids: list[int] | None = None  # a text completion's, on its choice's first chunk
+    prompt_ids: RawIds | list[int] | None = None  # a text completion's, on its first chunk
 
     def add(self, choice: dict[str, Any]) -> None:
         self.token_ids.extend(choice.get("token_ids") or ())
@@ -294,6 +311,7 @@ class RecordingProxy:
         upstream: Upstream,
         gate: AdmissionGate,
         seeds: RequestSeeds | None = None,
+        prompt_cache_bytes: int = 256 << 20,
     ) -> None:
         self.store = store
         self.upstream = upstream
@@ -301,8 +319,17 @@ class RecordingProxy:
         # None: requests without a seed of their own go unseeded to the engine.
         self.seeds = seeds
         self.router = Router()
+        # Each attempt's recent calls: a prompt that extends one is parsed, checked and
+        # stored by what it adds (agl.core.gateway.prompt_chain).
+        self.chain = PromptChain(prompt_cache_bytes)
         # Pending answers of another boot belong to a process that died (see the module).
         self.boot = uuid.uuid4().hex
+
+    def forget(self, rollout_id: str) -> None:
+        """``rollout_id`` stopped running: its endpoint's load drops, its calls are
+        bases no more."""
+        self.router.forget(rollout_id)
+        self.chain.forget(rollout_id)
 
     async def chat(
         self,
@@ -442,7 +469,7 @@ class RecordingProxy:
                 return await self._failed(call, upstream_error(upstream.status, payload))
         try:
             # Held to the rules of a request: what is recorded must read back.
-            answer = parse_storable(payload)
+            answer = parse_answer(payload)
             calls = [
                 self._call_data(
                     call,
@@ -484,12 +511,12 @@ class RecordingProxy:
             ticket.release()
             return await self._failed(call, upstream_error(upstream.status, payload))
 
-        answer_ids: list[str] = []
+        recorded_ids: list[str] = []
         translator = call.api.stream()
 
         async def relay() -> AsyncIterator[bytes]:
             choices: dict[int, _Choice] = {}
-            prompt_ids: list[int] | None = None
+            prompt_ids: RawIds | list[int] | None = None
             sent: list[bytes] = []
             try:
                 while line := await upstream.content.readline(max_line_length=_MAX_LINE):
@@ -498,7 +525,7 @@ class RecordingProxy:
                     data = line[5:].strip()
                     if data == b"[DONE]":
                         break
-                    chunk = parse_storable(data)
+                    chunk = parse_answer(data)
                     if chunk.get("prompt_token_ids") is not None:
                         prompt_ids = chunk["prompt_token_ids"]
                     for c in chunk.get("choices") or ():
@@ -508,20 +535,8 @@ class RecordingProxy:
                         yield event
                 else:
                     raise _StreamBroke("the endpoint's stream ended before [DONE]")
-            except (aiohttp.ClientError, HttpProcessingError, TimeoutError, *_MALFORMED) as error:
-                broken = _StreamBroke(f"the endpoint's stream broke: {error!r}")
-                closing = translator.fail(502, str(broken))
-                if closing is None:
-                    raise broken from error
-                # The harness's API has an error event: end its stream with it.
-                await self._record_failure(call, 502, str(broken))
-                for event in closing:
-                    yield event
-                return
-            closing = translator.finish()
-            recorded = await self._record(
-                call,
-                [
+                # Prompt ids that do not read back break the stream as a malformed chunk.
+                calls = [
                     self._call_data(
                         call,
                         choice,
@@ -533,11 +548,20 @@ class RecordingProxy:
                         c.message(),
                     )
                     for choice, (_, c) in enumerate(sorted(choices.items()))
-                ],
-                b"".join([*sent, *closing]),
-                stream=True,
-            )
-            answer_ids.append(recorded)
+                ]
+            except (aiohttp.ClientError, HttpProcessingError, TimeoutError, *_MALFORMED) as error:
+                broken = _StreamBroke(f"the endpoint's stream broke: {error!r}")
+                closing = translator.fail(502, str(broken))
+                if closing is None:
+                    raise broken from error
+                # The harness's API has an error event: end its stream with it.
+                await self._record_failure(call, 502, str(broken))
+                for event in closing:
+                    yield event
+                return
+            closing = translator.finish()
+            recorded = await self._record(call, calls, b"".join([*sent, *closing]), stream=True)
+            recorded_ids.append(recorded)
             for event in closing:
                 yield event
 
@@ -545,8 +569,8 @@ class RecordingProxy:
             await self._record_failure(call, 502, str(error))
 
         async def delivered() -> None:
-            if answer_ids:
-                await self._delivered(call.rollout_id, call.attempt, answer_ids[0])
+            if recorded_ids:
+                await self._delivered(call.rollout_id, call.attempt, recorded_ids[0])
 
         def done() -> None:
             upstream.release()
@@ -558,15 +582,26 @@ class RecordingProxy:
         self,
         call: CallContext,
         choice: int,
-        prompt_ids: list[int] | None,
+        prompt_ids: object,
         response_ids: list[int] | None,
         logprobs: list[float],
         finish_reason: str | None,
         stop_reason: object,
         message: dict[str, Any],
-    ) -> dict[str, Any]:
+    ) -> _CallRecord:
+        """One choice's event data, stored by what it adds to the call it extends, if
+        any. ValueError: the prompt ids cannot be stored (as the answer's parse says)."""
+        inputs = call.recorded_input()
+        key = input_key(inputs)
+        given = inputs[key] if key is not None else None
+        written = None if given is None else orjson.dumps(given)
+        prompt, base, raw = self._prompt(call, prompt_ids, given, written)
+        # Ids from bytes were checked as parsed; none at all (and no base) is no prompt.
+        checked = raw is not None and bool(base or prompt)
+        if base is not None and key is not None:
+            inputs[key] = inputs[key][base.keep_input :]
         data: dict[str, Any] = {
-            "prompt_ids": prompt_ids,
+            "prompt_ids": prompt,
             "response_ids": response_ids,
             "logprobs": logprobs,
             "policy_version": call.endpoint.policy_version,
@@ -576,7 +611,7 @@ class RecordingProxy:
             "finish_reason": finish_reason,
             # What text the harness got of the ids: the trainer checks them under it.
             "text_rule": text_rule_record(call.text_rule),
-            **call.recorded_input(),
+            **inputs,
             "response": message.get("content"),
             "latency_s": time.monotonic() - call.started,
             "model": call.endpoint.model,
@@ -593,7 +628,7 @@ class RecordingProxy:
             data["tool_calls"] = message["tool_calls"]
         if call.request.get("tools"):
             data["tools"] = call.request["tools"]
-        reason = invalid_reason(data)
+        reason = invalid_reason(data, prompt_checked=checked)
         if reason is not None:
             # The harness has its answer; the record says it cannot be trained on.
             data["invalid"] = reason
@@ -602,7 +637,39 @@ class RecordingProxy:
                 call.endpoint.endpoint,
                 reason,
             )
-        return data
+            return _CallRecord(data, base, None)
+        prompt_list, response_list = data["prompt_ids"], data["response_ids"]  # valid: lists
+        if raw is None:  # the answer's ids came parsed (an unusual answer)
+            raw = orjson.dumps(prompt_list)[1:-1]
+        response = b"," + orjson.dumps(response_list)[1:-1]
+        kept = base.keep_ids if base is not None else 0
+        tokens = kept + len(prompt_list) + len(response_list)
+        link = Link(0, raw, response, tokens, written, 0 if given is None else len(given))
+        return _CallRecord(data, base, link)
+
+    def _prompt(
+        self,
+        call: CallContext,
+        given: object,
+        input: list[Any] | str | None,
+        written: bytes | None,
+    ) -> tuple[object, PromptBase | None, bytes | None]:
+        """The prompt ids to store, the base they extend (None: stored whole), and the
+        whole prompt's ids as JSON items where the answer gave them as bytes (then the
+        ids stored are token ids, checked). The ids a base covers were checked when it
+        was recorded and are compared as bytes, never parsed; the rest are parsed once
+        (orjson, at C speed), and read by ``parse_storable`` where they are unusual."""
+        if not isinstance(given, RawIds):
+            return given, None, None  # the answer was parsed whole: as it came
+        match = self.chain.match(call.rollout_id, call.attempt, given.content, input, written)
+        if match is not None:
+            tail = _token_ids(given.content[match.covered + 1 :])
+            if tail is not None:
+                return tail, match.base, given.content
+        ids = _token_ids(given.content)
+        if ids is None:  # exactly as the whole answer's parse reads them (or its error)
+            return given.parse(), None, None
+        return ids, None, given.content
 
     def _replay(self, rollout_id: str, attempt: int, lost: PendingAnswer) -> Response:
         # The header Stripe-style idempotent APIs use: the harness can tell, a test can count.
@@ -622,22 +689,29 @@ class RecordingProxy:
         )
 
     async def _record(
-        self, call: CallContext, calls: list[dict[str, Any]], sent: bytes, stream: bool
+        self, call: CallContext, calls: list[_CallRecord], sent: bytes, stream: bool
     ) -> str:
-        """Store the call's events with the answer about to be sent; answer its id."""
+        """Store the call's events with the answer about to be sent; answer its id. Its
+        valid calls become bases for the attempt's next ones once they are stored."""
         answer_id = uuid.uuid4().hex
-        await self.store.append_events(
+        bases = [c.base for c in calls]
+        stored = await self.store.append_events(
             call.rollout_id,
             call.attempt,
             [
                 EventIn.model_construct(
-                    event_id=answer_id if i == 0 else None, type=MODEL_REQUEST, data=d
+                    event_id=answer_id if i == 0 else None, type=MODEL_REQUEST, data=c.data
                 )
-                for i, d in enumerate(calls)
+                for i, c in enumerate(calls)
             ],
             time.time(),
             pending=PendingAnswer(answer_id, call.request_hash, self.boot, sent, stream),
+            bases=bases,
         )
+        for c, event in zip(calls, stored, strict=True):
+            if c.link is not None:
+                link = dataclasses.replace(c.link, sequence=event.sequence)
+                self.chain.add(call.rollout_id, call.attempt, link)
         return answer_id
 
     async def _delivered(self, rollout_id: str, attempt: int, answer_id: str) -> None:
@@ -664,15 +738,64 @@ class RecordingProxy:
         return call.api.error(error)
 
 
+@dataclass(frozen=True)
+class _CallRecord:
+    """One choice's event as it is stored, and what it adds to the attempt's chain."""
+
+    data: dict[str, Any]  # with a base: prompt_ids and input hold what the call adds
+    base: PromptBase | None
+    link: Link | None  # None: an invalid call, never a base (its sequence comes later)
+
+
+def _token_ids(items: bytes) -> list[int] | None:
+    """``items`` (JSON list items) as token ids, or None where they are anything else."""
+    if not items:
+        return []
+    try:
+        ids = orjson.loads(b"[" + items + b"]")
+    except orjson.JSONDecodeError:
+        return None
+    if items.translate(None, b"0123456789,"):  # a sign, a space, ...: check each id's type
+        return ids if token_ids(ids) else None
+    # Digits only: integers >= 0 (orjson reads one past 64 bits as a float, over the max).
+    return ids if max(ids) <= MAX_TOKEN_ID else None
+
+
 def _request_of(body: bytes) -> dict[str, Any]:
     """A harness's request body: a JSON object that the store can hold."""
     try:
-        request = parse_storable(body)  # it is recorded, and must read back
+        request = _read_json(body)  # it is recorded, and must read back
     except ValueError as error:
         raise ApiError(400, f"request body: {error}") from None
     if not isinstance(request, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return request
+
+
+def _read_json(body: bytes) -> Any:
+    """``body`` as ``parse_storable`` reads it (ValueError as it raises), read by orjson
+    where that reads it alike: several times faster on a long conversation's text. orjson
+    reads an integer past 64 bits as a float, so a float that large, or anything else
+    ``storable`` might refuse (nesting past its depth, a non-finite number) or orjson
+    refuses, sends the body to ``parse_storable``, which reads it exactly."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return parse_storable(body)
+    if type(value) is not dict and type(value) is not list:
+        return storable(value)
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:  # the request's objects and lists: messages, not characters
+        item, depth = stack.pop()
+        for child in item.values() if type(item) is dict else item:
+            kind = type(child)
+            if kind is dict or kind is list:
+                if depth >= MAX_JSON_DEPTH:
+                    return parse_storable(body)
+                stack.append((child, depth + 1))
+            elif kind is float and not -(2.0**63) < child < 2.0**64:  # NaN too
+                return parse_storable(body)
+    return value
 
 
 class _StreamBroke(Exception):

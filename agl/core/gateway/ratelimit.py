@@ -1,4 +1,5 @@
-"""Calls per attempt key: a token bucket each, and the 429 a call over it gets."""
+"""Calls per attempt key: a token bucket each, and the 429 a call over it gets; in the
+process (one gateway) or in a store that replicas share."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from agl.core.gateway.store.base import SharedStore
 from agl.core.http_errors import ApiError
 
 
@@ -79,6 +81,30 @@ class AttemptRateLimit:
             if not refilled and len(buckets) < self.max_buckets:
                 return
             del buckets[key]
+
+
+class SharedRateLimit:
+    """:class:`AttemptRateLimit`'s buckets kept in a store that replicas share, so that
+    an attempt calling several replicas is held to one rate, not one per replica. Each
+    take and charge is one atomic upsert of the attempt's bucket, refilled by the
+    database's clock; the store drops nothing (a bucket is one small row an attempt)."""
+
+    def __init__(self, store: SharedStore, rate: float, burst: int) -> None:
+        self.store = store
+        self.rate = rate
+        self.burst = float(burst)
+
+    async def take(self, key: tuple[str, int]) -> float:
+        """As :meth:`AttemptRateLimit.take`."""
+        if self.rate <= 0:
+            return 0.0
+        return await self.store.take_token(key, self.rate, self.burst)
+
+    async def charge(self, key: tuple[str, int], cost: float) -> None:
+        """As :meth:`AttemptRateLimit.charge`."""
+        if self.rate <= 0 or cost <= 0:
+            return
+        await self.store.charge_tokens(key, self.rate, self.burst, cost)
 
 
 class RateLimited(ApiError):

@@ -23,8 +23,7 @@ from agl.core.contracts.queries import (
     SummaryQuery,
     Transition,
 )
-from agl.core.contracts.records import TERMINAL, Admission, Mode, Status
-from agl.core.gateway.admission import AdmissionGate
+from agl.core.contracts.records import TERMINAL, Mode, Status
 from agl.core.gateway.dialects import ANTHROPIC, RESPONSES
 from agl.core.gateway.openapi import OpenApiExtras
 from agl.core.gateway.paths import (
@@ -36,7 +35,7 @@ from agl.core.gateway.paths import (
     PROXY_RESPONSES,
 )
 from agl.core.gateway.query import ASCII_DIGITS, Int64, Natural64, Positive64, whole_number
-from agl.core.gateway.service import ADMISSION_META, Gateway
+from agl.core.gateway.service import Gateway
 from agl.core.gateway.wire import (
     ADMISSION,
     EVENTS_BODY,
@@ -106,7 +105,7 @@ def api_router(gw: Callable[[], Gateway], schema: OpenApiExtras) -> APIRouter:
     @router.post("/api/rollouts", openapi_extra=schema.body(SPECS))
     async def create_rollouts(request: Request) -> Response:
         g = gw()
-        g.admin(request)
+        await g.admin(request)
         specs = parse(SPECS, await request.body())
         rollouts = await g.store.create_rollouts(specs, time.time())
         return json_response([g.rolloutjson_response(r, admin=True) for r in rollouts])
@@ -121,7 +120,7 @@ def api_router(gw: Callable[[], Gateway], schema: OpenApiExtras) -> APIRouter:
         limit: Int64 = 100,
     ) -> Response:
         g = gw()
-        g.admin(request)
+        await g.admin(request)
         statuses = _statuses(request.query_params.getlist("status"))
         if not 1 <= limit <= MAX_PAGE:
             raise ApiError(422, f"limit must be between 1 and {MAX_PAGE}")
@@ -143,13 +142,13 @@ def api_router(gw: Callable[[], Gateway], schema: OpenApiExtras) -> APIRouter:
     @router.patch("/api/rollouts/{rollout_id}", openapi_extra=schema.body(PATCH))
     async def patch_rollout(request: Request, rollout_id: str) -> Response:
         g = gw()
-        g.admin(request)
+        await g.admin(request)
         return await g.patch(rollout_id, parse(PATCH, await request.body()), admin=True)
 
     @router.patch("/api/rollouts/{rollout_id}/attempt/{attempt}", openapi_extra=schema.body(PATCH))
     async def patch_attempt(request: Request, rollout_id: str, attempt: int) -> Response:
         g = gw()
-        principal = g.for_attempt(request, rollout_id, attempt)
+        principal = await g.for_attempt(request, rollout_id, attempt)
         patch = parse(PATCH, await request.body())
         if patch.attempt not in (None, attempt):
             raise ApiError(422, f"body names attempt {patch.attempt} but the path {attempt}")
@@ -197,7 +196,7 @@ def api_router(gw: Callable[[], Gateway], schema: OpenApiExtras) -> APIRouter:
     )
     async def get_summaries(request: Request) -> Response:
         g = gw()
-        g.admin(request)
+        await g.admin(request)
         rows, total = await g.store.query_rollouts(_summary_query(request))
         items = [
             {"rollout": g.rolloutjson_response(row.rollout, admin=True), "summary": row.summary}
@@ -211,7 +210,7 @@ def api_router(gw: Callable[[], Gateway], schema: OpenApiExtras) -> APIRouter:
     )
     async def get_transitions(request: Request, rollout_id: str) -> Response:
         g = gw()
-        g.admin(request)
+        await g.admin(request)
         rollout = await g.rollout(rollout_id)
         since = await g.store.get_meta(HISTORY_SINCE)
         complete = since is None or rollout.created_at >= float(since)
@@ -222,7 +221,7 @@ def api_router(gw: Callable[[], Gateway], schema: OpenApiExtras) -> APIRouter:
     @router.post("/api/models", openapi_extra=schema.body(MODELS))
     async def post_models(request: Request) -> Response:
         g = gw()
-        g.admin(request)
+        await g.admin(request)
         endpoints = parse(MODELS, await request.body())
         await g.store.put_models(endpoints)
         models = await g.store.list_models()
@@ -232,13 +231,13 @@ def api_router(gw: Callable[[], Gateway], schema: OpenApiExtras) -> APIRouter:
     @router.get("/api/models")
     async def get_models(request: Request) -> Response:
         g = gw()
-        g.admin(request)
+        await g.admin(request)
         return json_response([m.model_dump() for m in await g.store.list_models()])
 
     @router.delete("/api/models")
     async def delete_models(request: Request, model: str | None = None) -> Response:
         g = gw()
-        g.admin(request)
+        await g.admin(request)
         deleted = await g.store.delete_models(model)
         g.proxy.router.load(await g.store.list_models())
         return json_response({"deleted": deleted})
@@ -246,21 +245,16 @@ def api_router(gw: Callable[[], Gateway], schema: OpenApiExtras) -> APIRouter:
     @router.post("/api/admission", openapi_extra=schema.body(ADMISSION))
     async def post_admission(request: Request) -> Response:
         g = gw()
-        g.admin(request)
+        await g.admin(request)
         wanted = parse(ADMISSION, await request.body())
-        await g.store.set_meta(ADMISSION_META, wanted.state)
-        drained = True
-        if wanted.state == "paused":
-            drained = await g.gate.pause(wanted.timeout_s)
-        else:
-            g.gate.resume()
-        return json_response(_admission(g.gate, drained).model_dump())
+        admission = await g.admission.set(wanted.state, wanted.timeout_s)
+        return json_response(admission.model_dump())
 
     @router.get("/api/admission")
     async def get_admission(request: Request) -> Response:
         g = gw()
-        g.admin(request)
-        return json_response(_admission(g.gate, g.gate.in_flight == 0).model_dump())
+        await g.admin(request)
+        return json_response((await g.admission.status()).model_dump())
 
     # -- proxy ---------------------------------------------------------------------
 
@@ -297,15 +291,6 @@ def api_router(gw: Callable[[], Gateway], schema: OpenApiExtras) -> APIRouter:
         return await gw().post_events(request, rollout_id, attempt)
 
     return router
-
-
-def _admission(gate: AdmissionGate, drained: bool) -> Admission:
-    return Admission(
-        state="paused" if gate.paused else "running",
-        in_flight=gate.in_flight,
-        waiting=gate.waiting,
-        drained=drained,
-    )
 
 
 def _statuses(values: list[str]) -> frozenset[Status]:

@@ -18,15 +18,14 @@ from agl.core.gateway.auth import Keyring, Principal, bearer
 from agl.core.gateway.config import GatewayConfig
 from agl.core.gateway.dialects import ANTHROPIC, Dialect
 from agl.core.gateway.proxy import PROXY_EVENT_TYPES, RecordingProxy, dialect_error
-from agl.core.gateway.ratelimit import AttemptRateLimit, RateLimited
+from agl.core.gateway.ratelimit import AttemptRateLimit, RateLimited, SharedRateLimit
+from agl.core.gateway.replicas import ReplicaGroup, Solo
 from agl.core.gateway.store.base import NotFound, Store
 from agl.core.gateway.store.lifecycle import IllegalTransition
 from agl.core.gateway.wire import json_response, parse_events
 from agl.core.http_errors import ApiError
 
 log = logging.getLogger(__name__)
-
-ADMISSION_META = "admission"  # the gate's last requested state, restored at start
 
 
 def reporter(principal: Principal) -> None:
@@ -41,26 +40,28 @@ def reporter(principal: Principal) -> None:
 
 
 class Gateway:
-    """State shared by the routes: store, keys, proxy, admission gate."""
+    """State shared by the routes: store, keys, proxy, admission (this process's gate,
+    alone or in step with the replicas sharing the store), rate limit."""
 
     def __init__(
         self,
         store: Store,
         keyring: Keyring,
         proxy: RecordingProxy,
-        limit: AttemptRateLimit | None = None,
+        admission: Solo | ReplicaGroup,
+        limit: AttemptRateLimit | SharedRateLimit | None = None,
         max_events: int = GatewayConfig.max_events_per_post,
     ) -> None:
         self.store = store
         self.keyring = keyring
         self.proxy = proxy
-        self.gate = proxy.gate
-        self.limit = AttemptRateLimit(0.0, 1) if limit is None else limit  # it has a len()
+        self.admission = admission
+        self.limit = AttemptRateLimit(0.0, 1) if limit is None else limit
         self.max_events = max_events
 
     # -- auth ----------------------------------------------------------------------
 
-    def principal(self, request: Request) -> Principal:
+    async def principal(self, request: Request) -> Principal:
         # OpenAI SDKs send "Authorization: Bearer", Anthropic's "x-api-key", Azure's "api-key".
         token = (
             bearer(request.headers.get("authorization"))
@@ -76,7 +77,9 @@ class Gateway:
             raise ApiError(401, "invalid token")
         if not principal.admin:
             assert principal.rollout_id is not None and principal.attempt is not None
-            wait = self.limit.take((principal.rollout_id, principal.attempt))
+            key = (principal.rollout_id, principal.attempt)
+            limit = self.limit
+            wait = await limit.take(key) if isinstance(limit, SharedRateLimit) else limit.take(key)
             if wait:
                 raise RateLimited(
                     f"too many calls from the key of rollout {principal.rollout_id!r} attempt "
@@ -86,16 +89,16 @@ class Gateway:
                 )
         return principal
 
-    def admin(self, request: Request) -> None:
-        if not self.principal(request).admin:
+    async def admin(self, request: Request) -> None:
+        if not (await self.principal(request)).admin:
             raise ApiError(403, "this endpoint needs the admin token")
 
-    def for_attempt(
+    async def for_attempt(
         self, request: Request, rollout_id: str, attempt: int, *, report: bool = True
     ) -> Principal:
         """The principal, if it may act for the attempt: with its report key (or the
         admin token), or with its model key where ``report`` is False (the proxy)."""
-        principal = self.principal(request)
+        principal = await self.principal(request)
         if not principal.may_act_for(rollout_id, attempt):
             raise ApiError(
                 403, f"this key is not valid for rollout {rollout_id!r} attempt {attempt}"
@@ -109,7 +112,7 @@ class Gateway:
         rollout, an attempt's report key its own while its attempt is the current one. A key is
         refused before the lookup, so that another rollout answers the same 403 whether it
         exists or not: no key can learn which rollouts there are."""
-        principal = self.principal(request)
+        principal = await self.principal(request)
         if not principal.admin and principal.rollout_id != rollout_id:
             raise ApiError(403, f"this key is not valid for rollout {rollout_id!r}")
         reporter(principal)
@@ -167,7 +170,7 @@ class Gateway:
                 409, str(error), current=self.rolloutjson_response(error.current, admin)
             ) from None
         if rollout.status is not Status.RUNNING:
-            self.proxy.router.forget(rollout_id)  # its endpoint's load drops
+            self.proxy.forget(rollout_id)  # its endpoint's load drops, its calls' cache
         return json_response(self.rolloutjson_response(rollout, admin))
 
     # -- the hot routes (also served by FastLane) -----------------------------------
@@ -209,7 +212,7 @@ class Gateway:
             return dialect_error(ANTHROPIC, error)
 
     async def _check_live(self, request: Request, rollout_id: str, attempt: int, mode: str) -> None:
-        principal = self.for_attempt(request, rollout_id, attempt, report=False)
+        principal = await self.for_attempt(request, rollout_id, attempt, report=False)
         rollout = await self.rollout(rollout_id)
         if rollout.status is not Status.RUNNING or attempt != rollout.attempt:
             raise ApiError(
@@ -224,11 +227,15 @@ class Gateway:
             )
 
     async def post_events(self, request: Request, rollout_id: str, attempt: int) -> Response:
-        principal = self.for_attempt(request, rollout_id, attempt)
+        principal = await self.for_attempt(request, rollout_id, attempt)
         body = parse_events(await request.body(), self.max_events)
         batch = body if isinstance(body, list) else [body]
-        if not principal.admin:
-            self.limit.charge((rollout_id, attempt), len(batch) - 1)  # the call took one
+        if not principal.admin and len(batch) > 1:
+            limit, key = self.limit, (rollout_id, attempt)
+            if isinstance(limit, SharedRateLimit):
+                await limit.charge(key, len(batch) - 1)  # the call took one
+            else:
+                limit.charge(key, len(batch) - 1)
         await self.live_attempt(rollout_id, attempt, principal)
         if not principal.admin and (forged := {e.type for e in batch} & PROXY_EVENT_TYPES):
             # The trainer trains on these: only the proxy, which saw the model answer,
@@ -248,7 +255,7 @@ class Gateway:
             await asyncio.sleep(interval_s)
             try:
                 for r in await self.store.expire_running(time.time(), "attempt timed out"):
-                    self.proxy.router.forget(r.rollout_id)
+                    self.proxy.forget(r.rollout_id)
                     log.info(
                         "rollout %s attempt %d timed out after %.1f s",
                         r.rollout_id,

@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from agl.core.gateway.answer_ids import RawIds
+
 
 @dataclass
 class Block:
@@ -114,7 +116,7 @@ class ChunkReader:
         self._done_indexes: set[int] = set()
 
     def feed(self, chunk: dict[str, Any]) -> list[Piece]:
-        if isinstance(chunk.get("prompt_token_ids"), list):
+        if isinstance(chunk.get("prompt_token_ids"), list | RawIds):
             # vLLM's first chunk (return_token_ids): the prompt's size before usage comes.
             self.prompt_tokens = len(chunk["prompt_token_ids"])
         if chunk.get("usage"):

@@ -11,15 +11,23 @@ PostgreSQL URL) can replace the embedded SQLite file. Contract for every impleme
 - each appended event updates its attempt's :class:`Summary`, and each status change
   appends a :class:`Transition`, in the same transaction, so the viewer reads both
   without parsing events;
+- a ``model_request`` appended with a :class:`PromptBase` is stored by what it adds to
+  its base (:mod:`agl.core.gateway.store.prompt_delta`), and every read gives it back
+  whole; its summary counts its whole prompt;
 - a :class:`PendingAnswer` is stored atomically with its call's events and kept until the
   proxy says it was delivered, another gateway process claims it, or its rollout stops
   running.
+
+A :class:`SharedStore` (PostgreSQL) is shared by several gateway processes (replicas):
+it also keeps who they are (a registry with heartbeats), the admission state every
+replica follows, and the per-attempt rate-limit buckets, and its ``claim_answer`` takes
+only a dead process's answers (see there).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from agl.core.contracts.queries import (
@@ -38,6 +46,7 @@ from agl.core.contracts.records import (
     RolloutSpec,
     StatusPatch,
 )
+from agl.core.gateway.store.prompt_delta import PromptBase
 
 
 class NotFound(Exception):
@@ -61,6 +70,10 @@ class PendingAnswer:
 
 
 class Store(ABC):
+    async def connect(self) -> None:  # noqa: B027 (a default: most stores need none)
+        """Connect and make the schema, before the first call; the embedded store is
+        ready from its constructor."""
+
     @abstractmethod
     async def create_rollouts(self, specs: Sequence[RolloutSpec], now: float) -> list[Rollout]:
         """Insert the rollouts whose ids are new; answer all of them as stored."""
@@ -88,9 +101,13 @@ class Store(ABC):
         events: Sequence[EventIn],
         now: float,
         pending: PendingAnswer | None = None,
+        bases: Sequence[PromptBase | None] | None = None,
     ) -> list[Event]:
         """Append events with ids assigned where missing; a known id is not appended again.
-        ``pending`` is stored in the same transaction."""
+        ``pending`` is stored in the same transaction. ``bases`` (one per event, from the
+        recording proxy) says which events hold only what their prompt and input add to
+        an earlier call: their ``data`` holds those tails, and the events answered are
+        as given (the tails), while every later read answers them whole."""
 
     @abstractmethod
     async def claim_answer(
@@ -141,3 +158,78 @@ class Store(ABC):
 
     @abstractmethod
     async def close(self) -> None: ...
+
+
+# Meta keys: the admission gate's last requested state, restored at start (every store);
+# its generation and the models registry's, which a shared store's replicas follow.
+ADMISSION_META = "admission"
+ADMISSION_GENERATION = "admission_generation"
+MODELS_GENERATION = "models_generation"
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One gateway process as it reports itself to a shared store."""
+
+    boot: str
+    in_flight: int  # calls admitted and not finished
+    waiting: int  # calls held at its closed admission gate
+    applied: int  # the admission generation it has applied
+
+
+@dataclass(frozen=True)
+class SharedState:
+    """What every replica of a shared store follows: the admission state with its
+    generation (one more at every change), and the models registry's generation."""
+
+    admission: str  # "paused" or "running"
+    generation: int
+    models: int
+
+
+class SharedStore(Store):
+    """A store several gateway processes share. Liveness is the database's clock: a
+    replica not heard from in ``lease_s`` seconds is dead, whatever its own clock says.
+
+    ``claim_answer`` takes a pending answer only from a process that is dead (absent from
+    the registry, or silent past the lease). While a live process holds one for the same
+    request (it may still be sending it), it waits, polling, until that answer is
+    delivered (then None: the request is a new call) or its holder dies (then it is
+    claimed), for at most the lease."""
+
+    lease_s: float
+
+    @abstractmethod
+    async def heartbeat(self, replica: Replica) -> SharedState:
+        """Record that ``replica`` is alive, as it says; answer the shared state."""
+
+    @abstractmethod
+    async def leave(self, boot: str) -> None:
+        """Take a replica out of the registry (it stops: it holds nothing any more)."""
+
+    @abstractmethod
+    async def live_replicas(self) -> list[Replica]:
+        """The replicas heard from within the lease."""
+
+    @abstractmethod
+    async def shared_state(self) -> SharedState: ...
+
+    @abstractmethod
+    async def set_admission(self, state: str) -> SharedState:
+        """Store the admission state with the next generation and tell every replica."""
+
+    @abstractmethod
+    async def watch(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` (on the event loop) whenever the shared state changes; each
+        call of :meth:`heartbeat` re-arms a watch whose connection was lost."""
+
+    @abstractmethod
+    async def take_token(self, key: tuple[str, int], rate: float, burst: float) -> float:
+        """Spend a token of ``key``'s bucket in one atomic step: 0.0 if there was one,
+        else the seconds until there would be (see ``agl.core.gateway.ratelimit``)."""
+
+    @abstractmethod
+    async def charge_tokens(
+        self, key: tuple[str, int], rate: float, burst: float, cost: float
+    ) -> None:
+        """Spend ``cost`` more tokens of ``key``'s bucket, into debt if need be."""

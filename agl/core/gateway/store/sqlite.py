@@ -6,6 +6,10 @@ one transaction that commits once per loop iteration; each writer awaits that co
 before its request is acknowledged. WAL with ``synchronous=NORMAL`` makes a commit
 survive the death of the process (``kill -9``); ``fsync=True`` (``synchronous=FULL``)
 also survives the loss of the machine, at the price of an fsync per group.
+
+A ``model_request`` appended with a base (:mod:`~agl.core.gateway.store.prompt_delta`)
+keeps only its tails in ``data`` and names its base in three columns; a read fetches the
+chain of bases its page needs in one recursive query and answers every call whole.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import uuid
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +50,7 @@ from agl.core.contracts.records import (
 from agl.core.gateway.private_files import DIR_MODE, private_sqlite
 from agl.core.gateway.store.base import NotFound, PendingAnswer, Store
 from agl.core.gateway.store.lifecycle import IllegalTransition, apply_patch
+from agl.core.gateway.store.prompt_delta import PromptBase, StoredCall, check_tails, resolve
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +82,9 @@ CREATE TABLE IF NOT EXISTS events (
     type TEXT NOT NULL,
     data BLOB NOT NULL,
     time REAL NOT NULL,
+    prompt_base INTEGER,
+    keep_ids INTEGER,
+    keep_input INTEGER,
     UNIQUE (rollout_id, attempt, event_id)
 );
 CREATE INDEX IF NOT EXISTS events_by_rollout ON events (rollout_id, seq);
@@ -187,6 +196,9 @@ _ROLLOUT_COLUMNS = (
     "created_at, updated_at, started_at, ended_at, error, input, metadata"
 )
 _EVENT_COLUMNS = "rollout_id, attempt, event_id, seq, type, data, time"
+# A model_request stored by what it adds (prompt_delta.PromptBase): NULL when stored whole,
+# and in every row of a store made before them (added by ALTER TABLE on open).
+_BASE_COLUMNS = ("prompt_base", "keep_ids", "keep_input")
 
 
 def _rollout(row: tuple[Any, ...]) -> Rollout:
@@ -211,16 +223,22 @@ def _rollout(row: tuple[Any, ...]) -> Rollout:
     )
 
 
-def _event(row: tuple[Any, ...]) -> Event:
+def _event(row: Sequence[Any], data: Any) -> Event:
     return Event.model_construct(
         rollout_id=row[0],
         attempt=row[1],
         event_id=row[2],
         sequence=row[3],
         type=row[4],
-        data=orjson.loads(row[5]),
+        data=data,
         time=row[6],
     )
+
+
+def _base(row: Sequence[Any]) -> PromptBase | None:
+    """The PromptBase in a row's last three columns (``_BASE_COLUMNS``), if it has one."""
+    sequence, keep_ids, keep_input = row[-3:]
+    return None if sequence is None else PromptBase(sequence, keep_ids, keep_input)
 
 
 def _summary(row: Sequence[Any]) -> Summary:
@@ -237,7 +255,8 @@ class _Added:
         self.rewards = 0
         self.reward: float | None = None
 
-    def count(self, type_: str, data: Any) -> None:
+    def count(self, type_: str, data: Any, base: PromptBase | None = None) -> None:
+        """Count one event; ``base``: its data holds the tails (the base's tokens count)."""
         self.events += 1
         if type_ == "model_request":
             self.calls += 1
@@ -246,8 +265,9 @@ class _Added:
                 prompt = data.get("prompt_ids")
                 n = len(response) if isinstance(response, list) else 0
                 m = len(prompt) if isinstance(prompt, list) else 0
+                kept = 0 if base is None else base.keep_ids
                 self.tokens += n
-                self.context = max(self.context, m + n)
+                self.context = max(self.context, kept + m + n)
         elif type_ == "model_request_failed":
             self.failed_calls += 1
         elif type_ == "reward":
@@ -286,7 +306,12 @@ class SqliteStore(Store):
         self._commit: asyncio.Future[None] | None = None
 
     def _migrate(self, before: set[str]) -> None:
-        """Bring a store made before summaries and transitions up to date (once)."""
+        """Bring a store made before summaries, transitions and prompt bases up to date
+        (once). Its rows then have no base (NULL columns): they read as stored."""
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(events)")}
+        for column in _BASE_COLUMNS:
+            if column not in columns:  # a nullable column: SQLite rewrites no row
+                self._db.execute(f"ALTER TABLE events ADD COLUMN {column} INTEGER")
         if "events" in before and "attempt_summaries" not in before:
             log.info("building attempt summaries of %s from its events (once)", self.path)
             with self._db:
@@ -465,7 +490,17 @@ class SqliteStore(Store):
         events: Sequence[EventIn],
         now: float,
         pending: PendingAnswer | None = None,
+        bases: Sequence[PromptBase | None] | None = None,
     ) -> list[Event]:
+        """See :meth:`Store.append_events`. An event whose id is known answers as it was
+        stored: with the tails only, if it was stored with a base. A base that breaks
+        :mod:`~agl.core.gateway.store.prompt_delta`'s invariants is the caller's bug:
+        ValueError, and nothing of the call is stored."""
+        if bases is None:
+            bases = [None] * len(events)
+        elif len(bases) != len(events):
+            raise ValueError(f"{len(bases)} prompt bases for {len(events)} events")
+        self._check_bases(rollout_id, attempt, events, bases)
         stored: list[Event] = []
         with self._write() as db:
             if pending is not None:
@@ -483,16 +518,17 @@ class SqliteStore(Store):
                     ),
                 )
             added = _Added()
-            for e in events:
+            for e, base in zip(events, bases, strict=True):
                 event_id = e.event_id or uuid.uuid4().hex
                 data = orjson.dumps(e.data)
+                columns = (None, None, None) if base is None else astuple(base)
                 cursor = db.execute(
-                    "INSERT OR IGNORE INTO events "
-                    "(rollout_id, attempt, event_id, type, data, time) VALUES (?, ?, ?, ?, ?, ?)",
-                    (rollout_id, attempt, event_id, e.type, data, now),
+                    "INSERT OR IGNORE INTO events (rollout_id, attempt, event_id, type, data, "
+                    "time, prompt_base, keep_ids, keep_input) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (rollout_id, attempt, event_id, e.type, data, now, *columns),
                 )
                 if cursor.rowcount:
-                    added.count(e.type, e.data)
+                    added.count(e.type, e.data, base)
                     stored.append(
                         Event.model_construct(
                             rollout_id=rollout_id,
@@ -510,11 +546,42 @@ class SqliteStore(Store):
                         "WHERE rollout_id = ? AND attempt = ? AND event_id = ?",
                         (rollout_id, attempt, event_id),
                     ).fetchone()
-                    stored.append(_event(row))
+                    stored.append(_event(row, orjson.loads(row[5])))
             if added.events:
                 db.execute(_ADD_TO_SUMMARY, (rollout_id, attempt, *added.row(), now))
         await self._durable()
         return stored
+
+    def _check_bases(
+        self,
+        rollout_id: str,
+        attempt: int,
+        events: Sequence[EventIn],
+        bases: Sequence[PromptBase | None],
+    ) -> None:
+        """Raise ValueError unless every base is a model_request of this attempt stored
+        already (so an earlier one: a new row's seq is above every row's) and its event
+        can be stored on it (prompt_delta.check_tails)."""
+        wanted = {b.sequence for b in bases if b is not None}
+        if not wanted:
+            return
+        marks = ",".join("?" * len(wanted))
+        found = {
+            seq: (rid, att, type_)
+            for seq, rid, att, type_ in self._db.execute(
+                f"SELECT seq, rollout_id, attempt, type FROM events WHERE seq IN ({marks})",
+                sorted(wanted),
+            )
+        }
+        for e, base in zip(events, bases, strict=True):
+            if base is None:
+                continue
+            if found.get(base.sequence) != (rollout_id, attempt, "model_request"):
+                raise ValueError(
+                    f"prompt base {base.sequence} is not a model_request of rollout "
+                    f"{rollout_id!r} attempt {attempt}"
+                )
+            check_tails(e.type, e.data, base)
 
     async def claim_answer(
         self, rollout_id: str, attempt: int, request_hash: bytes, boot: str
@@ -553,10 +620,30 @@ class SqliteStore(Store):
             where.append("type = ?")
             args.append(query.type)
         rows = self._db.execute(
-            f"SELECT {_EVENT_COLUMNS} FROM events WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?",
+            f"SELECT {_EVENT_COLUMNS}, {', '.join(_BASE_COLUMNS)} FROM events "
+            f"WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?",
             [*args, query.limit],
+        ).fetchall()
+        calls = [StoredCall(row[3], orjson.loads(row[5]), _base(row)) for row in rows]
+        if any(call.base is not None for call in calls):
+            decoded = await resolve(calls, lambda missing: self._chains(rollout_id, missing))
+            return [_event(row, decoded[row[3]]) for row in rows]
+        return [_event(row, call.data) for row, call in zip(rows, calls, strict=True)]
+
+    async def _chains(self, rollout_id: str, sequences: set[int]) -> list[StoredCall]:
+        """The rows at ``sequences`` and every base they are stored on, down to calls
+        stored whole: what decoding a page needs of the rows before it, in one query."""
+        marks = ",".join("?" * len(sequences))
+        rows = self._db.execute(
+            "WITH RECURSIVE chain (seq) AS ("
+            f"SELECT seq FROM events WHERE seq IN ({marks}) UNION "
+            "SELECT e.prompt_base FROM events AS e JOIN chain ON e.seq = chain.seq "
+            "WHERE e.prompt_base IS NOT NULL) "
+            f"SELECT seq, data, {', '.join(_BASE_COLUMNS)} FROM events "
+            "WHERE seq IN (SELECT seq FROM chain) AND rollout_id = ?",
+            [*sorted(sequences), rollout_id],
         )
-        return [_event(row) for row in rows]
+        return [StoredCall(row[0], orjson.loads(row[1]), _base(row)) for row in rows]
 
     # -- what the viewer reads -----------------------------------------------------
 
