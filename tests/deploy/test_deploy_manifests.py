@@ -1,6 +1,8 @@
 """deploy/: the Kubernetes manifests parse, fit the API's schema, agree with each other,
 and agree with the code that acts on them (the gateway's and the controller's options,
-the controller's Job rendering and its NetworkPolicy). No cluster, no network."""
+the controller's Job rendering and its NetworkPolicy). No cluster, no network. The
+replicated gateway (deploy/k8s/replicated/, in place of gateway.yaml) has its own tests
+in test_replicated_gateway.py; its manifests' schema is checked here with the rest."""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-import yaml
 from kubernetes.client import ApiClient
 from kubernetes.client import models as k8s_models
 
@@ -32,20 +33,26 @@ from agl.backends.execution.k8s.naming import (
     ATTEMPT,
     INSTANCE,
     MANAGED_BY,
-    ROLE,
     ROLLOUT,
     ROLLOUT_ID,
     job_name,
 )
 from agl.core.command_line import parse_overrides
 from agl.core.gateway.config import GatewayConfig
+from tests.helpers.k8s_manifests import (
+    AGENT_LABELS,
+    DEPLOY,
+    NAMESPACE,
+    REPLICATED,
+    assert_hardened_containers,
+    env_of,
+    load_manifests,
+    module_args,
+    subset,
+)
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-K8S = DEPLOY / "k8s"
-NAMESPACE = "agl"
 AGENTS = "agl-agents"  # the agents' Jobs, Secrets and policy, and the controller's Role
 AGENT_GATEWAY_URL = "http://agl-gateway.agl.svc:8000"
-AGENT_LABELS = {MANAGED_BY: "agl", INSTANCE: "agl", ROLE: "agent"}
 EXPECTED = {
     ("Namespace", "agl"),
     ("Namespace", "agl-agents"),
@@ -59,18 +66,13 @@ EXPECTED = {
     ("ConfigMap", "agl-agent-job"),
     ("NetworkPolicy", "agl-agent-egress"),
     ("Secret", "agl-admin"),  # examples/: shown, not applied
+    ("Secret", "agl-postgres"),  # the replicated gateway's store password, shown alike
 }
 
 
-def _load() -> list[tuple[Path, dict[str, Any]]]:
-    docs = []
-    for path in sorted(K8S.rglob("*.y*ml")):
-        with path.open() as f:
-            docs.extend((path, doc) for doc in yaml.safe_load_all(f) if doc is not None)
-    return docs
-
-
-DOCS = _load()
+ALL_DOCS = load_manifests()
+# The default deploy (what `kubectl apply -f deploy/k8s/` applies) and its examples.
+DOCS = [(path, doc) for path, doc in ALL_DOCS if REPLICATED not in path.parents]
 
 
 def find(kind: str, name: str) -> dict[str, Any]:
@@ -86,20 +88,6 @@ def pod_spec(deployment: str) -> dict[str, Any]:
 def container(deployment: str) -> dict[str, Any]:
     (only,) = pod_spec(deployment)["containers"]
     return only
-
-
-def module_args(cont: dict[str, Any], module: str) -> list[str]:
-    """The ``key=value`` arguments of ``python -m module ...``."""
-    assert cont["command"][:3] == ["python", "-m", module]
-    return list(cont["command"][3:])
-
-
-def env_of(cont: dict[str, Any]) -> dict[str, Any]:
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in cont.get("env") or []}
-
-
-def subset(small: dict[str, str], big: dict[str, str]) -> bool:
-    return all(big.get(k) == v for k, v in small.items())
 
 
 def rendered_job(input_value: Any = None, key: str = "agl-attempt-key-xyz") -> dict[str, Any]:
@@ -219,10 +207,12 @@ def test_every_manifest_parses_and_lives_in_the_namespace() -> None:
 
 
 @pytest.mark.parametrize(
-    "index", range(len(DOCS)), ids=[f"{d['kind']}/{d['metadata']['name']}" for _, d in DOCS]
+    "index",
+    range(len(ALL_DOCS)),
+    ids=[f"{p.parent.name}/{d['kind']}/{d['metadata']['name']}" for p, d in ALL_DOCS],
 )
 def test_manifest_fits_the_api_schema(index: int) -> None:
-    _, doc = DOCS[index]
+    _, doc = ALL_DOCS[index]
     assert schema_errors(doc, doc["kind"]) == []
 
 
@@ -428,16 +418,7 @@ def test_every_pod_runs_non_root_read_only_and_bounded() -> None:
         assert context["runAsUser"] == int(user[1]), name
         assert context["seccompProfile"] == {"type": "RuntimeDefault"}, name
         assert pod.get("enableServiceLinks") is False, name
-        volumes = {v["name"] for v in pod.get("volumes") or []}
-        for cont in pod["containers"]:
-            security = cont["securityContext"]
-            assert security["allowPrivilegeEscalation"] is False, name
-            assert security["readOnlyRootFilesystem"] is True, name
-            assert security["capabilities"] == {"drop": ["ALL"]}, name
-            assert cont["resources"]["requests"] and cont["resources"]["limits"]["memory"]
-            mounts = {m["name"] for m in cont.get("volumeMounts") or []}
-            assert mounts <= volumes, name
-            assert "/tmp" in {m["mountPath"] for m in cont["volumeMounts"]}, name
+        assert_hardened_containers(pod, {v["name"] for v in pod.get("volumes") or []}, name)
 
 
 def test_the_dockerfile_installs_cpu_torch_before_agl() -> None:
@@ -448,4 +429,5 @@ def test_the_dockerfile_installs_cpu_torch_before_agl() -> None:
     runs = [shlex.split(line[4:]) for line in lines if line.startswith("RUN pip install")]
     assert runs[0][:3] == ["pip", "install", "torch==2.13.0"]
     assert "https://download.pytorch.org/whl/cpu" in runs[0]
-    assert ".[${EXTRAS}]" in runs[1] and "ARG EXTRAS=k8s" in lines  # k8s unless told more
+    # the controller's k8s and the replicated gateway's postgresql, unless told more
+    assert ".[${EXTRAS}]" in runs[1] and "ARG EXTRAS=k8s,postgresql" in lines

@@ -5,10 +5,11 @@ the coding agent's (conf/swe/job.yaml, graded) and the general agent's
 (conf/general/job.yaml). The sandboxed agents need exactly privileged, for the reasons
 deploy/k8s/namespace.yaml gives; a change that lowers their needs shows here.
 
-The checks are agl.testing.k8s.pod_security's, the PodSecurity admission plugin's rules
-(k8s.io/pod-security-admission, latest): the test API server (tests/k8s-apiserver) runs
-no admission plugin, so admission itself cannot give its verdict here. That module gave
-the same verdict as the plugin's own fixtures for every one of the 148 baseline and
+The replicated gateway and its PostgreSQL server (deploy/k8s/replicated) meet restricted
+too. The checks are agl.testing.k8s.pod_security's, the PodSecurity admission plugin's
+rules (k8s.io/pod-security-admission, latest): the test API server (tests/k8s-apiserver)
+runs no admission plugin, so admission itself cannot give its verdict here. That module
+gave the same verdict as the plugin's own fixtures for every one of the 148 baseline and
 restricted v1.36 cases (test/testdata/{baseline,restricted}/v1.36/{pass,fail}, checked
 once by hand, not kept here); the last test shows it catches each kind of breach."""
 
@@ -36,6 +37,14 @@ DOCS = [
     if doc is not None
 ]
 NAMESPACES = {d["metadata"]["name"]: enforced_level(d) for d in DOCS if d["kind"] == "Namespace"}
+# The replicated gateway and its PostgreSQL server (applied instead of gateway.yaml).
+REPLICATED = [
+    doc
+    for path in sorted((REPO / "deploy" / "k8s" / "replicated").glob("*.yaml"))
+    for doc in yaml.safe_load_all(path.read_text())
+    if doc is not None
+]
+SHIPPED = DOCS + REPLICATED
 
 
 def find(kind: str, name: str) -> dict[str, Any]:
@@ -94,11 +103,14 @@ def test_the_namespaces_declare_their_levels() -> None:
 
 @pytest.mark.parametrize(
     "index",
-    [i for i, d in enumerate(DOCS) if pod_of(d) is not None],
-    ids=lambda i: f"{DOCS[i]['kind']}/{DOCS[i]['metadata']['name']}",
+    [i for i, d in enumerate(SHIPPED) if pod_of(d) is not None],
+    ids=lambda i: (
+        f"{'replicated/' if i >= len(DOCS) else ''}{SHIPPED[i]['kind']}/"
+        f"{SHIPPED[i]['metadata']['name']}"
+    ),
 )
 def test_every_shipped_pod_meets_its_namespaces_level(index: int) -> None:
-    doc = DOCS[index]
+    doc = SHIPPED[index]
     pod = pod_of(doc)
     assert pod is not None
     level = NAMESPACES[doc["metadata"]["namespace"]]
