@@ -5,6 +5,11 @@ arrives while the gate is closed waits (it is never refused) and goes on after `
 The harness sees only a slower answer, never the phase switch. The gate is this
 process's; replicas sharing a store follow one admission state through
 :mod:`agl.core.gateway.replicas`.
+
+A gate may also hold calls for want of news: a replica renews it after each heartbeat
+(:meth:`AdmissionGate.renew`), and past the renewal's end a call waits as at a closed
+gate, so a replica that stalled long enough for the others to count it dead admits
+nothing before it has learnt the shared state again.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ class AdmissionGate:
         self._idle.set()
         self.in_flight = 0
         self.waiting = 0  # calls held at the closed gate
+        # Loop time past which calls wait for renew() (None: a gateway alone, never).
+        self._valid_until: float | None = None
+        self._renewed = asyncio.Event()
 
     @property
     def paused(self) -> bool:
@@ -30,11 +38,15 @@ class AdmissionGate:
     async def enter(self) -> Ticket:
         """Wait until the gate is open, then count the caller in flight until its ticket
         is released."""
-        if not self._open.is_set():
+        if not self._open.is_set() or self._expired():
             self.waiting += 1
             try:
-                while not self._open.is_set():
-                    await self._open.wait()
+                while not self._open.is_set() or self._expired():
+                    if not self._open.is_set():
+                        await self._open.wait()
+                    else:
+                        self._renewed.clear()
+                        await self._renewed.wait()
             finally:
                 self.waiting -= 1
         self.in_flight += 1
@@ -73,6 +85,21 @@ class AdmissionGate:
 
     def resume(self) -> None:
         self._open.set()
+
+    def renew(self, until: float) -> None:
+        """Admit calls until the event loop's time ``until``; past it they wait for the
+        next renewal (see the module)."""
+        self._valid_until = until
+        self._renewed.set()
+
+    @property
+    def valid_until(self) -> float | None:
+        """The last renewal's end (None: never renewed, so never expires)."""
+        return self._valid_until
+
+    def _expired(self) -> bool:
+        until = self._valid_until
+        return until is not None and asyncio.get_running_loop().time() > until
 
 
 class Ticket:

@@ -32,7 +32,6 @@ from agl.core.contracts.records import parse_storable
 
 PROMPT_IDS = "prompt_token_ids"
 _KEY = b'"' + PROMPT_IDS.encode() + b'":['
-# Bytes that make a cut unsafe (see the module's invariants).
 # The placeholder a cut list leaves: a string no endpoint sends (a NUL, then a random
 # token of this process), numbered by the list's place in the answer.
 _MARK = "\x00agl-ids-" + secrets.token_hex(8) + "-"

@@ -74,7 +74,9 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         admission: Solo | ReplicaGroup
         limit: AttemptRateLimit | SharedRateLimit
         if isinstance(store, SharedStore):
-            admission = ReplicaGroup(store, proxy, config.replica_heartbeat_s)
+            admission = ReplicaGroup(
+                store, proxy, config.replica_heartbeat_s, config.replica_lease_s
+            )
             limit = SharedRateLimit(store, config.attempt_rps, config.attempt_burst)
         else:
             admission = Solo(store, proxy)

@@ -48,6 +48,9 @@ class Link:
     # a new call's input is compared as bytes too, and this takes less memory than objects.
     input: bytes | None
     input_items: int  # how many items (or characters) that input has
+    # Which field that input is (prompt_delta.INPUT_KEYS): a text completion's prompt
+    # shares nothing with a chat's messages, whatever their items.
+    input_key: str | None
 
     @property
     def size(self) -> int:
@@ -89,9 +92,11 @@ class PromptChain:
         ids: bytes,
         input: list[Any] | str | None,
         input_json: bytes | None,
+        input_key: str | None,
     ) -> Match | None:
         """The base of a call of ``attempt`` whose prompt ids are ``ids`` (compact JSON
-        items), with its input's shared prefix, or None when it extends no recent call."""
+        items), with its input's shared prefix (none where its ``input_key`` is not the
+        base's), or None when it extends no recent call."""
         kept = self._attempts.get(rollout_id)
         if kept is None or kept.attempt != attempt:
             return None
@@ -108,7 +113,9 @@ class PromptChain:
                 break
         else:
             return None
-        keep_input = shared_input(input, input_json, best.input, best.input_items)
+        keep_input = 0
+        if input_key == best.input_key:
+            keep_input = shared_input(input, input_json, best.input, best.input_items)
         return Match(PromptBase(best.sequence, best.tokens, keep_input), n)
 
     def add(self, rollout_id: str, attempt: int, link: Link) -> None:

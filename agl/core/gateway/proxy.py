@@ -595,7 +595,7 @@ class RecordingProxy:
         key = input_key(inputs)
         given = inputs[key] if key is not None else None
         written = None if given is None else orjson.dumps(given)
-        prompt, base, raw = self._prompt(call, prompt_ids, given, written)
+        prompt, base, raw = self._prompt(call, prompt_ids, given, written, key)
         # Ids from bytes were checked as parsed; none at all (and no base) is no prompt.
         checked = raw is not None and bool(base or prompt)
         if base is not None and key is not None:
@@ -644,7 +644,8 @@ class RecordingProxy:
         response = b"," + orjson.dumps(response_list)[1:-1]
         kept = base.keep_ids if base is not None else 0
         tokens = kept + len(prompt_list) + len(response_list)
-        link = Link(0, raw, response, tokens, written, 0 if given is None else len(given))
+        items = 0 if given is None else len(given)
+        link = Link(0, raw, response, tokens, written, items, key)
         return _CallRecord(data, base, link)
 
     def _prompt(
@@ -653,6 +654,7 @@ class RecordingProxy:
         given: object,
         input: list[Any] | str | None,
         written: bytes | None,
+        key: str | None,
     ) -> tuple[object, PromptBase | None, bytes | None]:
         """The prompt ids to store, the base they extend (None: stored whole), and the
         whole prompt's ids as JSON items where the answer gave them as bytes (then the
@@ -661,7 +663,7 @@ class RecordingProxy:
         (orjson, at C speed), and read by ``parse_storable`` where they are unusual."""
         if not isinstance(given, RawIds):
             return given, None, None  # the answer was parsed whole: as it came
-        match = self.chain.match(call.rollout_id, call.attempt, given.content, input, written)
+        match = self.chain.match(call.rollout_id, call.attempt, given.content, input, written, key)
         if match is not None:
             tail = _token_ids(given.content[match.covered + 1 :])
             if tail is not None:

@@ -17,7 +17,10 @@ The replica protocol (:class:`ReplicaGroup`), invariants:
   changed (the trainer registers the new weights' ``policy_version`` before it resumes,
   in an earlier transaction), so no call is admitted with the old version after a resume;
 - a pause answers ``drained`` once every live replica has applied it and has nothing in
-  flight; a replica that dies (silent past the lease) stops counting.
+  flight; a replica that dies (silent past the lease) stops counting, and one that only
+  stalled that long admits nothing more before its next beat (its gate's renewal ends
+  ``heartbeat_s`` before its lease); a call it admitted before the stall may still be in
+  flight, as with any lease.
 """
 
 from __future__ import annotations
@@ -78,12 +81,15 @@ class Solo:
 class ReplicaGroup:
     """This process's part in the replicas sharing ``store`` (see the module)."""
 
-    def __init__(self, store: SharedStore, proxy: RecordingProxy, heartbeat_s: float) -> None:
+    def __init__(
+        self, store: SharedStore, proxy: RecordingProxy, heartbeat_s: float, lease_s: float
+    ) -> None:
         self.store = store
         self.proxy = proxy
         self.gate: AdmissionGate = proxy.gate
         self.boot = proxy.boot
         self.heartbeat_s = heartbeat_s
+        self.lease_s = lease_s
         self.applied = 0  # the admission generation this gate follows
         self._models = -1  # the models generation the router holds (-1: none yet)
         self._changed = asyncio.Event()
@@ -113,9 +119,13 @@ class ReplicaGroup:
     async def beat(self) -> SharedState:
         """Report this replica, apply the shared state, and report again if it changed."""
         async with self._lock:
+            sent = asyncio.get_running_loop().time()
             state = await self.store.heartbeat(self._replica())
             if await self._apply(state):
                 await self.store.heartbeat(self._replica())
+            # The others count this replica alive until lease_s after the beat reached the
+            # store, which was after ``sent``: stop admitting a beat's length before that.
+            self.gate.renew(sent + self.lease_s - self.heartbeat_s)
             return state
 
     def _replica(self) -> Replica:

@@ -21,12 +21,15 @@ def link(sequence: int, ids: str, input: Any = None) -> Link:
         response = b"," + response
     written = None if input is None else orjson.dumps(input)
     items = 0 if input is None else len(input)
-    return Link(sequence, prompt, response, ids.count(",") + 1, written, items)
+    key = None if input is None else "messages"
+    return Link(sequence, prompt, response, ids.count(",") + 1, written, items, key)
 
 
 def match(chain: PromptChain, rollout_id: str, attempt: int, ids: bytes, input: Any = None) -> Any:
     written = None if input is None else orjson.dumps(input)
-    return chain.match(rollout_id, attempt, ids, input, written)
+    return chain.match(
+        rollout_id, attempt, ids, input, written, None if input is None else "messages"
+    )
 
 
 def test_a_prompt_extends_the_call_whose_ids_it_starts_with() -> None:

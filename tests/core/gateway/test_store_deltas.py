@@ -52,6 +52,7 @@ async def _replay(store: Store, rollout_id: str, steps: list[Step], bases: bool)
     await store.create_rollouts([RolloutSpec(rollout_id=rollout_id)], now=0.0)
     calls: dict[int, list[tuple[int, dict[str, Any]]]] = {a: [] for a in ATTEMPTS}
     answers: dict[tuple[int, str], Event] = {}
+    wholes: dict[tuple[int, str], Any] = {}  # each known id's data as sent (whole)
     sent: list[Event] = []
     for now, step in enumerate(steps):
         batch = step if isinstance(step, Batch) else step.batch
@@ -69,11 +70,15 @@ async def _replay(store: Store, rollout_id: str, steps: list[Step], bases: bool)
         )
         for e, given_event, answer in zip(batch.events, given_events, answered, strict=True):
             key = (batch.attempt, str(e.event_id))
-            if key in answers:  # known: answered as first stored (its tails, if based)
-                assert answer == answers[key] and _exactly(answer.data, answers[key].data)
+            if key in answers:  # known: answered as first stored, whole (as a read)
+                first = answers[key]
+                assert answer.model_copy(update={"data": None}) == first.model_copy(
+                    update={"data": None}
+                )
+                assert _exactly(answer.data, wholes[key])
                 continue
             assert answer.event_id == e.event_id and _exactly(answer.data, given_event.data)
-            answers[key] = answer
+            answers[key], wholes[key] = answer, e.data
             sent.append(answer.model_copy(update={"data": e.data}))
             if e.type == "model_request":
                 calls[batch.attempt].append((answer.sequence, e.data))

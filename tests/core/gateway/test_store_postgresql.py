@@ -14,10 +14,14 @@ import pytest
 
 from agl.core.contracts.queries import EventQuery, RolloutQuery, SortKey, SummaryQuery
 from agl.core.contracts.records import EventIn, ModelEndpoint, RolloutSpec, Status, StatusPatch
+from agl.core.gateway.admission import AdmissionGate
+from agl.core.gateway.proxy import RecordingProxy
+from agl.core.gateway.replicas import ReplicaGroup
 from agl.core.gateway.store import open_store
 from agl.core.gateway.store.base import PendingAnswer, Replica, SharedStore, Store
 from agl.core.gateway.store.lifecycle import IllegalTransition
 from agl.core.gateway.store.postgresql import PostgresStore, connection_options
+from agl.core.gateway.upstream import RetryPolicy, Upstream
 from agl.testing.postgres import PASSWORD, PostgresServer
 from tests.core.gateway.conftest import OpenStore
 
@@ -303,5 +307,41 @@ def test_the_password_never_comes_in_the_url(postgres: PostgresServer, tmp_path:
         await store.connect()
         assert await store.get_meta("none") is None
         await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_gate_past_its_renewal_holds_calls_until_renewed() -> None:
+    async def scenario() -> None:
+        gate = AdmissionGate()
+        loop = asyncio.get_running_loop()
+        gate.renew(loop.time() - 1)  # a replica whose last beat is older than its lease
+        held = asyncio.create_task(gate.enter())
+        await asyncio.sleep(0.05)
+        assert not held.done() and gate.waiting == 1 and gate.in_flight == 0
+        gate.renew(loop.time() + 3600)
+        (await asyncio.wait_for(held, 10)).release()
+        assert gate.waiting == 0 and gate.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_admits_only_within_its_lease_since_its_last_beat(postgresql: str) -> None:
+    """A replica that stalled long enough for the others to count it dead (and a pause
+    to drain without it) must not admit a call before it has beaten again."""
+
+    async def scenario() -> None:
+        async with shared(postgresql) as store:
+            proxy = RecordingProxy(
+                store, Upstream(RetryPolicy(0, 0.1), 10.0, None), AdmissionGate()
+            )
+            group = ReplicaGroup(store, proxy, heartbeat_s=1.0, lease_s=5.0)
+            loop = asyncio.get_running_loop()
+            before = loop.time()
+            await group.beat()
+            after = loop.time()
+            until = proxy.gate.valid_until
+            assert until is not None and before + 4.0 <= until <= after + 4.0
+            (await asyncio.wait_for(proxy.gate.enter(), 10)).release()
 
     asyncio.run(scenario())

@@ -106,8 +106,9 @@ class Store(ABC):
         """Append events with ids assigned where missing; a known id is not appended again.
         ``pending`` is stored in the same transaction. ``bases`` (one per event, from the
         recording proxy) says which events hold only what their prompt and input add to
-        an earlier call: their ``data`` holds those tails, and the events answered are
-        as given (the tails), while every later read answers them whole."""
+        an earlier call: their ``data`` holds those tails, and the new events answered
+        are as given (the tails), while every later read answers them whole, as does a
+        known id given again."""
 
     @abstractmethod
     async def claim_answer(

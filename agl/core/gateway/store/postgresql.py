@@ -62,7 +62,7 @@ from agl.core.gateway.store.base import (
     SharedStore,
 )
 from agl.core.gateway.store.lifecycle import IllegalTransition, apply_patch
-from agl.core.gateway.store.prompt_delta import PromptBase, StoredCall, input_key, resolve
+from agl.core.gateway.store.prompt_delta import PromptBase, StoredCall, check_tails, resolve
 
 # The channel a change of the shared state is announced on.
 CHANNEL = "agl_shared"
@@ -331,16 +331,8 @@ def _check_bases(events: Sequence[EventIn], bases: Sequence[PromptBase | None]) 
     if len(bases) != len(events):
         raise ValueError(f"{len(bases)} prompt bases for {len(events)} events")
     for e, base in zip(events, bases, strict=True):
-        data = e.data
-        if base is not None and (
-            e.type != "model_request"
-            or not isinstance(data, dict)
-            or not isinstance(data.get("prompt_ids"), list)
-            or base.keep_ids < 0
-            or base.keep_input < 0
-            or (base.keep_input and input_key(data) is None)
-        ):
-            raise ValueError(f"event {e.event_id!r} cannot be stored on base {base}")
+        if base is not None:
+            check_tails(e.type, e.data, base)
 
 
 async def _reset(connection: asyncpg.Connection) -> None:
@@ -604,8 +596,8 @@ class PostgresStore(SharedStore):
     async def _events_by_id(
         self, rollout_id: str, attempt: int, ids: list[str]
     ) -> dict[str, Event]:
-        """Events stored already (a repeat of their ids), answered as first stored: a
-        based call's tails, as its first append answered it."""
+        """Events stored already (a repeat of their ids), answered as a read answers
+        them: a based call whole."""
         rows = await self._pool.fetch(
             f"SELECT {_EVENT_COLUMNS} FROM events WHERE rollout_id = $1 AND attempt = $2 "
             "AND event_id = ANY($3::TEXT[]) ORDER BY seq",
@@ -613,7 +605,7 @@ class PostgresStore(SharedStore):
             attempt,
             ids,
         )
-        return {row[2]: _event(row, orjson.loads(row[5])) for row in rows}
+        return {e.event_id: e for e in await self._decoded(rollout_id, rows)}
 
     async def _decoded(self, rollout_id: str, rows: Sequence[Any]) -> list[Event]:
         """Events of ``rows`` (event columns) with every based call read back whole."""

@@ -492,8 +492,8 @@ class SqliteStore(Store):
         pending: PendingAnswer | None = None,
         bases: Sequence[PromptBase | None] | None = None,
     ) -> list[Event]:
-        """See :meth:`Store.append_events`. An event whose id is known answers as it was
-        stored: with the tails only, if it was stored with a base. A base that breaks
+        """See :meth:`Store.append_events`. An event whose id is known answers as a read
+        does: whole, if it was stored with a base. A base that breaks
         :mod:`~agl.core.gateway.store.prompt_delta`'s invariants is the caller's bug:
         ValueError, and nothing of the call is stored."""
         if bases is None:
@@ -502,6 +502,7 @@ class SqliteStore(Store):
             raise ValueError(f"{len(bases)} prompt bases for {len(events)} events")
         self._check_bases(rollout_id, attempt, events, bases)
         stored: list[Event] = []
+        known: list[tuple[int, StoredCall]] = []  # repeats stored with a base: (index, row)
         with self._write() as db:
             if pending is not None:
                 db.execute(
@@ -542,14 +543,23 @@ class SqliteStore(Store):
                     )
                 else:
                     row = db.execute(
-                        f"SELECT {_EVENT_COLUMNS} FROM events "
+                        f"SELECT {_EVENT_COLUMNS}, {', '.join(_BASE_COLUMNS)} FROM events "
                         "WHERE rollout_id = ? AND attempt = ? AND event_id = ?",
                         (rollout_id, attempt, event_id),
                     ).fetchone()
-                    stored.append(_event(row, orjson.loads(row[5])))
+                    data = orjson.loads(row[5])
+                    stored.append(_event(row, data))
+                    if (base_of_row := _base(row)) is not None:
+                        known.append((len(stored) - 1, StoredCall(row[3], data, base_of_row)))
             if added.events:
                 db.execute(_ADD_TO_SUMMARY, (rollout_id, attempt, *added.row(), now))
         await self._durable()
+        if known:  # the API answers a repeat as it reads it (an id repeated is rare)
+            whole = await resolve(
+                [call for _, call in known], lambda missing: self._chains(rollout_id, missing)
+            )
+            for i, call in known:
+                stored[i] = stored[i].model_copy(update={"data": whole[call.sequence]})
         return stored
 
     def _check_bases(
