@@ -87,7 +87,8 @@ class SharedRateLimit:
     """:class:`AttemptRateLimit`'s buckets kept in a store that replicas share, so that
     an attempt calling several replicas is held to one rate, not one per replica. Each
     take and charge is one atomic upsert of the attempt's bucket, refilled by the
-    database's clock; the store drops nothing (a bucket is one small row an attempt)."""
+    database's clock; a bucket that has refilled to its burst is the same as none, and
+    the replicas' heartbeats delete it, so the store holds the active attempts' only."""
 
     def __init__(self, store: SharedStore, rate: float, burst: int) -> None:
         self.store = store

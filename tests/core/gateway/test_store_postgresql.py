@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from agl.core.contracts.queries import EventQuery, RolloutQuery, SortKey, SummaryQuery
@@ -343,5 +344,27 @@ def test_a_replica_admits_only_within_its_lease_since_its_last_beat(postgresql: 
             until = proxy.gate.valid_until
             assert until is not None and before + 4.0 <= until <= after + 4.0
             (await asyncio.wait_for(proxy.gate.enter(), 10)).release()
+
+    asyncio.run(scenario())
+
+
+def test_a_heartbeat_deletes_the_buckets_that_refilled(postgresql: str) -> None:
+    """A bucket back at its burst is the same as none: the table keeps only the
+    attempts still paying for their calls, not one row for every attempt ever."""
+
+    async def scenario() -> None:
+        async with shared(postgresql) as store:
+            await store.take_token(("refills at once", 1), 1e9, 4.0)
+            await store.take_token(("still owing", 1), 0.001, 4.0)
+            await store.charge_tokens(("in debt", 1), 1e-6, 4.0, 10)
+            await asyncio.sleep(0.01)  # the first is full again after a nanosecond
+            await store.heartbeat(Replica("A", 0, 0, 0))
+            connection = await asyncpg.connect(postgresql, password=PASSWORD)
+            try:
+                rows = await connection.fetch("SELECT rollout_id FROM rate_buckets")
+            finally:
+                await connection.close()
+            assert sorted(r["rollout_id"] for r in rows) == ["in debt", "still owing"]
+            assert await store.take_token(("refills at once", 1), 1e9, 4.0) == 0.0
 
     asyncio.run(scenario())

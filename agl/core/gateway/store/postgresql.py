@@ -165,8 +165,12 @@ CREATE TABLE IF NOT EXISTS rate_buckets (
     tokens DOUBLE PRECISION NOT NULL,
     at DOUBLE PRECISION NOT NULL,
     admitted BOOLEAN NOT NULL,
+    -- When the bucket holds its whole burst again: from then on it is the same as no
+    -- bucket, and the heartbeats delete it, so the table follows the active attempts.
+    full_at DOUBLE PRECISION NOT NULL,
     PRIMARY KEY (rollout_id, attempt)
 );
+CREATE INDEX IF NOT EXISTS rate_buckets_by_full_at ON rate_buckets (full_at);
 """
 
 _ROLLOUT_COLUMNS = (
@@ -846,6 +850,9 @@ class PostgresStore(SharedStore):
                 -- Long dead: their pending answers count as dead without their row.
                 DELETE FROM replicas
                 WHERE heard_at < clock_timestamp() - make_interval(secs => $1 * 100)
+            ),
+            refilled AS (
+                DELETE FROM rate_buckets WHERE full_at <= extract(epoch FROM clock_timestamp())
             )
             {_STATE}
             """,
@@ -906,12 +913,13 @@ class PostgresStore(SharedStore):
         row = await self._pool.fetchrow(
             f"""
             WITH now AS (SELECT extract(epoch FROM clock_timestamp())::FLOAT8 AS t)
-            INSERT INTO rate_buckets AS b (rollout_id, attempt, tokens, at, admitted)
-            SELECT $1, $2, $4::FLOAT8 - 1, now.t, TRUE FROM now
+            INSERT INTO rate_buckets AS b (rollout_id, attempt, tokens, at, admitted, full_at)
+            SELECT $1, $2, $4::FLOAT8 - 1, now.t, TRUE, now.t + 1 / $3::FLOAT8 FROM now
             ON CONFLICT (rollout_id, attempt) DO UPDATE SET
-                tokens = {_REFILLED} - CASE WHEN {_REFILLED} >= 1 THEN 1 ELSE 0 END,
+                tokens = {_TAKEN},
                 at = excluded.at,
-                admitted = {_REFILLED} >= 1
+                admitted = {_REFILLED} >= 1,
+                full_at = excluded.at + ($4::FLOAT8 - ({_TAKEN})) / $3::FLOAT8
             RETURNING tokens, admitted
             """,
             key[0],
@@ -928,10 +936,13 @@ class PostgresStore(SharedStore):
         await self._pool.execute(
             f"""
             WITH now AS (SELECT extract(epoch FROM clock_timestamp())::FLOAT8 AS t)
-            INSERT INTO rate_buckets AS b (rollout_id, attempt, tokens, at, admitted)
-            SELECT $1, $2, $4::FLOAT8 - $5::FLOAT8, now.t, TRUE FROM now
+            INSERT INTO rate_buckets AS b (rollout_id, attempt, tokens, at, admitted, full_at)
+            SELECT $1, $2, $4::FLOAT8 - $5::FLOAT8, now.t, TRUE, now.t + $5::FLOAT8 / $3::FLOAT8
+            FROM now
             ON CONFLICT (rollout_id, attempt) DO UPDATE SET
-                tokens = {_REFILLED} - $5::FLOAT8, at = excluded.at
+                tokens = {_REFILLED} - $5::FLOAT8,
+                at = excluded.at,
+                full_at = excluded.at + ($4::FLOAT8 - ({_REFILLED} - $5::FLOAT8)) / $3::FLOAT8
             """,
             key[0],
             key[1],
@@ -950,6 +961,8 @@ class PostgresStore(SharedStore):
 # A bucket's tokens now (in an upsert of rate_buckets AS b, with the new row's time as
 # excluded.at, $3 the rate, $4 the burst).
 _REFILLED = "LEAST($4::FLOAT8, b.tokens + (excluded.at - b.at) * $3::FLOAT8)"
+# ... after a take: one token fewer, if there was one.
+_TAKEN = f"{_REFILLED} - CASE WHEN {_REFILLED} >= 1 THEN 1 ELSE 0 END"
 
 _STATE = f"""
 SELECT
