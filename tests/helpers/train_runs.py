@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from agl.core.contracts.records import MODEL_REQUEST
+from tests.helpers.stored_events import stored_events
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,9 +57,7 @@ def one_line_error(run_dir: Path, *overrides: str) -> str:
 
 def recorded(run_dir: Path) -> list[dict[str, Any]]:
     """The ``model_request`` events the gateway stored (read after the run stopped it)."""
-    with sqlite3.connect(run_dir / "gateway" / "gateway.db") as db:
-        rows = db.execute("SELECT data FROM events WHERE type = 'model_request'").fetchall()
-    return [json.loads(row[0]) for row in rows]
+    return [e.data for e in stored_events(run_dir / "gateway" / "gateway.db", MODEL_REQUEST)]
 
 
 def trained_two_steps(run_dir: Path) -> list[dict[str, Any]]:

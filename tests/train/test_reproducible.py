@@ -11,14 +11,15 @@ logprobs are compared to 1e-3 and metrics to 1e-4 (they average over many tokens
 from __future__ import annotations
 
 import json
-import sqlite3
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agl.core.contracts.records import MODEL_REQUEST
 from agl.core.gateway.seeding import RequestSeeds, request_seed
 from tests.conftest import SHORT_RUN, train_run
+from tests.helpers.stored_events import stored_events
 
 VARYING = ("time/", "throughput/", "inference/")
 
@@ -27,16 +28,9 @@ Calls = dict[tuple[str, int], list[dict[str, Any]]]
 
 def _calls(run: Path) -> Calls:
     """Each attempt's recorded calls, in the order the attempt made them."""
-    db = sqlite3.connect(f"file:{run / 'gateway' / 'gateway.db'}?mode=ro", uri=True)
-    try:
-        rows = db.execute(
-            "SELECT rollout_id, attempt, data FROM events WHERE type = 'model_request' ORDER BY seq"
-        ).fetchall()
-    finally:
-        db.close()
     calls: Calls = {}
-    for rollout_id, attempt, data in rows:
-        calls.setdefault((rollout_id, attempt), []).append(json.loads(data))
+    for event in stored_events(run / "gateway" / "gateway.db", MODEL_REQUEST):
+        calls.setdefault((event.rollout_id, event.attempt), []).append(event.data)
     return calls
 
 

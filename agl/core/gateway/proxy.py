@@ -56,7 +56,6 @@ from agl.core.contracts.records import (
     EventIn,
     ModelEndpoint,
     parse_storable,
-    storable,
 )
 from agl.core.contracts.samples import Sampling
 from agl.core.contracts.sampling import (
@@ -785,7 +784,7 @@ def _read_json(body: bytes) -> Any:
     except orjson.JSONDecodeError:
         return parse_storable(body)
     if type(value) is not dict and type(value) is not list:
-        return storable(value)
+        return parse_storable(body)  # not a request anyway: read as exactly as it is refused
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:  # the request's objects and lists: messages, not characters
         item, depth = stack.pop()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 from collections import defaultdict
@@ -29,6 +28,7 @@ from agl.core.contracts.records import Event
 from agl.core.run_folder import load_run
 from agl.core.trainer.explain import BreakDetail, calls_from_events, explain
 from tests.helpers.hf_folders import LLAMA_SPECIALS, write_llama, write_questions, write_qwen3
+from tests.helpers.stored_events import stored_events
 from tests.helpers.train_runs import ROOT, trained_two_steps
 
 RUN = [
@@ -96,22 +96,8 @@ def breaks(run_dir: Path) -> list[BreakDetail]:
     in its tokenizer's words)."""
     info = load_run(run_dir)
     events: dict[str, list[Event]] = defaultdict(list)
-    with sqlite3.connect(run_dir / "gateway" / "gateway.db") as db:
-        rows = db.execute(
-            "SELECT rollout_id, attempt, event_id, seq, type, data, time FROM events ORDER BY seq"
-        ).fetchall()
-    for rollout, attempt, event_id, seq, kind, payload, time in rows:
-        events[rollout].append(
-            Event(
-                rollout_id=rollout,
-                attempt=attempt,
-                event_id=event_id,
-                sequence=seq,
-                type=kind,
-                data=json.loads(payload),
-                time=time,
-            )
-        )
+    for event in stored_events(run_dir / "gateway" / "gateway.db"):
+        events[event.rollout_id].append(event)
     found = []
     merge = info.merge()
     for rollout_events in events.values():
