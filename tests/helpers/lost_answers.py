@@ -1,7 +1,7 @@
 """An answer a gateway recorded but never sent: a big answer to a harness that does not
 read, so the answer stays inside the gateway until it dies (tests of the replay of
-pending answers: tests/core/gateway/test_replicas.py; test_durability.py has the same
-helpers for one process)."""
+pending answers: tests/core/gateway/test_durability.py for one process,
+test_replicas.py across replicas)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,26 @@ import orjson
 BIG = "x" * (8 << 20)
 
 
-def vllm_answer(content: str) -> bytes:
-    """vLLM's unary chat answer of ``content``, with the ids the proxy records."""
+def vllm_answer(content: str, stream: bool = False) -> bytes:
+    """vLLM's chat answer of ``content`` (unary, or its event stream), with the ids the
+    proxy records."""
     ids = {"token_ids": [100, 101], "logprobs": {"content": []}}
-    choice = {"index": 0, "message": {"role": "assistant", "content": content}, **ids}
-    return orjson.dumps(
-        {"id": "c", "choices": [{**choice, "finish_reason": "stop"}], "prompt_token_ids": [1]}
+    if not stream:
+        choice = {"index": 0, "message": {"role": "assistant", "content": content}, **ids}
+        return orjson.dumps(
+            {"id": "c", "choices": [{**choice, "finish_reason": "stop"}], "prompt_token_ids": [1]}
+        )
+    first = {
+        "id": "c",
+        "prompt_token_ids": [1],
+        "choices": [{"index": 0, "delta": {"role": "assistant"}}],
+    }
+    last = {
+        "id": "c",
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": "stop", **ids}],
+    }
+    return (
+        b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in (first, last)) + b"data: [DONE]\n\n"
     )
 
 
@@ -39,5 +53,8 @@ def post_and_never_read(url: str, path: str, key: str, body: bytes) -> socket.so
 
 
 def content_of(response: httpx.Response) -> str:
-    """A unary chat answer's content."""
-    return str(response.json()["choices"][0]["message"]["content"])
+    """A chat answer's content, unary or streamed."""
+    if response.headers["content-type"].startswith("application/json"):
+        return str(response.json()["choices"][0]["message"]["content"])
+    chunks = [line[6:] for line in response.text.splitlines() if line.startswith("data: {")]
+    return "".join(orjson.loads(c)["choices"][0]["delta"].get("content") or "" for c in chunks)

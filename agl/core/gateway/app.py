@@ -27,7 +27,7 @@ from agl.core.gateway.config import GatewayConfig
 from agl.core.gateway.connections import BodyTimeout, RefusalDelay
 from agl.core.gateway.openapi import OpenApiExtras
 from agl.core.gateway.proxy import RecordingProxy
-from agl.core.gateway.ratelimit import AttemptRateLimit, SharedRateLimit
+from agl.core.gateway.ratelimit import AttemptRateLimit, RateLimit, SharedRateLimit
 from agl.core.gateway.replicas import ReplicaGroup, Solo
 from agl.core.gateway.routes import api_router
 from agl.core.gateway.seeding import RequestSeeds
@@ -72,7 +72,7 @@ def create_app(config: GatewayConfig, admin_token: str) -> ASGIApp:
         # Replicas share admission and the rate limit through their store; a gateway
         # alone keeps both in the process.
         admission: Solo | ReplicaGroup
-        limit: AttemptRateLimit | SharedRateLimit
+        limit: RateLimit
         if isinstance(store, SharedStore):
             admission = ReplicaGroup(
                 store, proxy, config.replica_heartbeat_s, config.replica_lease_s

@@ -7,9 +7,26 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Protocol
 
 from agl.core.gateway.store.base import SharedStore
 from agl.core.http_errors import ApiError
+
+
+class RateLimit(Protocol):
+    """What the gateway asks of a rate limit, in the process or shared (see below)."""
+
+    rate: float
+    burst: float
+
+    async def admit(self, key: tuple[str, int]) -> float:
+        """Spend a token of ``key``'s bucket: 0.0 if the call is admitted, else the
+        seconds until it would be."""
+        ...
+
+    async def spend(self, key: tuple[str, int], cost: float) -> None:
+        """Spend ``cost`` more tokens of an admitted call, into debt if need be."""
+        ...
 
 
 class AttemptRateLimit:
@@ -64,6 +81,12 @@ class AttemptRateLimit:
         now = self.clock()
         self._buckets[key] = (self._tokens(key, now) - cost, now)
 
+    async def admit(self, key: tuple[str, int]) -> float:
+        return self.take(key)
+
+    async def spend(self, key: tuple[str, int], cost: float) -> None:
+        self.charge(key, cost)
+
     def _tokens(self, key: tuple[str, int], now: float) -> float:
         """What ``key``'s bucket holds now, taken out of the LRU order to be put back."""
         bucket = self._buckets.pop(key, None)
@@ -95,13 +118,13 @@ class SharedRateLimit:
         self.rate = rate
         self.burst = float(burst)
 
-    async def take(self, key: tuple[str, int]) -> float:
+    async def admit(self, key: tuple[str, int]) -> float:
         """As :meth:`AttemptRateLimit.take`."""
         if self.rate <= 0:
             return 0.0
         return await self.store.take_token(key, self.rate, self.burst)
 
-    async def charge(self, key: tuple[str, int], cost: float) -> None:
+    async def spend(self, key: tuple[str, int], cost: float) -> None:
         """As :meth:`AttemptRateLimit.charge`."""
         if self.rate <= 0 or cost <= 0:
             return

@@ -18,7 +18,7 @@ from agl.core.gateway.auth import Keyring, Principal, bearer
 from agl.core.gateway.config import GatewayConfig
 from agl.core.gateway.dialects import ANTHROPIC, Dialect
 from agl.core.gateway.proxy import PROXY_EVENT_TYPES, RecordingProxy, dialect_error
-from agl.core.gateway.ratelimit import AttemptRateLimit, RateLimited, SharedRateLimit
+from agl.core.gateway.ratelimit import AttemptRateLimit, RateLimit, RateLimited
 from agl.core.gateway.replicas import ReplicaGroup, Solo
 from agl.core.gateway.store.base import NotFound, Store
 from agl.core.gateway.store.lifecycle import IllegalTransition
@@ -49,7 +49,7 @@ class Gateway:
         keyring: Keyring,
         proxy: RecordingProxy,
         admission: Solo | ReplicaGroup,
-        limit: AttemptRateLimit | SharedRateLimit | None = None,
+        limit: RateLimit | None = None,
         max_events: int = GatewayConfig.max_events_per_post,
     ) -> None:
         self.store = store
@@ -77,9 +77,7 @@ class Gateway:
             raise ApiError(401, "invalid token")
         if not principal.admin:
             assert principal.rollout_id is not None and principal.attempt is not None
-            key = (principal.rollout_id, principal.attempt)
-            limit = self.limit
-            wait = await limit.take(key) if isinstance(limit, SharedRateLimit) else limit.take(key)
+            wait = await self.limit.admit((principal.rollout_id, principal.attempt))
             if wait:
                 raise RateLimited(
                     f"too many calls from the key of rollout {principal.rollout_id!r} attempt "
@@ -231,11 +229,7 @@ class Gateway:
         body = parse_events(await request.body(), self.max_events)
         batch = body if isinstance(body, list) else [body]
         if not principal.admin and len(batch) > 1:
-            limit, key = self.limit, (rollout_id, attempt)
-            if isinstance(limit, SharedRateLimit):
-                await limit.charge(key, len(batch) - 1)  # the call took one
-            else:
-                limit.charge(key, len(batch) - 1)
+            await self.limit.spend((rollout_id, attempt), len(batch) - 1)  # the call took one
         await self.live_attempt(rollout_id, attempt, principal)
         if not principal.admin and (forged := {e.type for e in batch} & PROXY_EVENT_TYPES):
             # The trainer trains on these: only the proxy, which saw the model answer,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from agl.core.contracts.records import EventIn
 from agl.core.ports import free_port
 from agl.testing.fake_vllm import FakeVllm, reply_for
 from agl.testing.processes import gateway_process
+from tests.helpers.lost_answers import BIG, content_of, post_and_never_read, vllm_answer
 
 
 def test_acknowledged_writes_survive_kill_9(run_dir: Path, upstream: tuple[str, FakeVllm]) -> None:
@@ -89,32 +89,6 @@ def test_acknowledged_writes_survive_kill_9(run_dir: Path, upstream: tuple[str, 
         assert GatewayClient(gw.url, key or "").get_rollout(some).rollout_id == some
 
 
-# More than a loopback connection's kernel buffers hold (tcp_wmem allows 4 MiB), so with
-# a harness that does not read, the answer stays inside the gateway until it dies.
-BIG = "x" * (8 << 20)
-
-
-def vllm_answer(content: str, stream: bool) -> bytes:
-    ids = {"token_ids": [100, 101], "logprobs": {"content": []}}
-    if not stream:
-        choice = {"index": 0, "message": {"role": "assistant", "content": content}, **ids}
-        return orjson.dumps(
-            {"id": "c", "choices": [{**choice, "finish_reason": "stop"}], "prompt_token_ids": [1]}
-        )
-    first = {
-        "id": "c",
-        "prompt_token_ids": [1],
-        "choices": [{"index": 0, "delta": {"role": "assistant"}}],
-    }
-    last = {
-        "id": "c",
-        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": "stop", **ids}],
-    }
-    return (
-        b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in (first, last)) + b"data: [DONE]\n\n"
-    )
-
-
 PROXY_ROOT = proxy_base_url("", "r", 1).removesuffix("/openai/v1")  # rollout r, attempt 1
 
 
@@ -136,26 +110,6 @@ def lose_an_answer(
         gw.kill()
         harness.close()
     return key
-
-
-def post_and_never_read(url: str, path: str, key: str, body: bytes) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
-    sock.connect((host, int(port)))
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + body)
-    return sock
-
-
-def content_of(response: httpx.Response) -> str:
-    if response.headers["content-type"].startswith("application/json"):
-        return response.json()["choices"][0]["message"]["content"]
-    chunks = [line[6:] for line in response.text.splitlines() if line.startswith("data: {")]
-    return "".join(orjson.loads(c)["choices"][0]["delta"].get("content") or "" for c in chunks)
 
 
 @pytest.mark.slow

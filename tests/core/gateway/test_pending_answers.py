@@ -1,5 +1,5 @@
-"""Pending answers in the SQLite store: what a gateway that died before sending leaves
-for the next one (see agl.core.gateway.proxy)."""
+"""Pending answers in the store: what a gateway that died before sending leaves for the
+next one (see agl.core.gateway.proxy); the claiming order on every store kind."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 
 from agl.core.contracts.queries import EventQuery
 from agl.core.contracts.records import EventIn, RolloutSpec, Status, StatusPatch
-from agl.core.gateway.store.base import PendingAnswer
+from agl.core.gateway.store.base import PendingAnswer, Store
 from agl.core.gateway.store.sqlite import SqliteStore
+from tests.core.gateway.conftest import OpenStore
 
 HASH = b"h" * 32
 
@@ -18,19 +19,22 @@ def call(answer_id: str) -> list[EventIn]:
     return [EventIn(event_id=answer_id, type="model_request", data={"response": answer_id})]
 
 
-async def running(store: SqliteStore, rollout_id: str = "r") -> None:
+async def running(store: Store, rollout_id: str = "r") -> None:
     await store.create_rollouts([RolloutSpec(rollout_id=rollout_id)], now=0.0)
     await store.patch_rollout(rollout_id, StatusPatch(status=Status.RUNNING), now=0.0)
 
 
-async def record(store: SqliteStore, answer_id: str, boot: str, request_hash: bytes = HASH) -> None:
+async def record(store: Store, answer_id: str, boot: str, request_hash: bytes = HASH) -> None:
     pending = PendingAnswer(answer_id, request_hash, boot, f"body {answer_id}".encode(), False)
     await store.append_events("r", 1, call(answer_id), 1.0, pending=pending)
 
 
-def test_only_another_process_claims_and_the_oldest_first(tmp_path: Path) -> None:
+def test_only_another_process_claims_and_the_oldest_first(any_store: OpenStore) -> None:
     async def scenario() -> None:
-        store = SqliteStore(tmp_path / "g.db")
+        async with any_store() as store:
+            await claims(store)
+
+    async def claims(store: Store) -> None:
         await running(store)
         await record(store, "a1", boot="A")
         await record(store, "a2", boot="A")
@@ -52,7 +56,6 @@ def test_only_another_process_claims_and_the_oldest_first(tmp_path: Path) -> Non
         assert await store.claim_answer("r", 2, b"o" * 32, "F") is None  # another attempt
         events = await store.list_events("r", EventQuery())
         assert [e.event_id for e in events] == ["a1", "a2", "other"]  # claims append nothing
-        await store.close()
 
     asyncio.run(scenario())
 

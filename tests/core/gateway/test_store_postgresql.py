@@ -107,30 +107,6 @@ def test_events_are_stored_once_by_id(any_store: OpenStore) -> None:
     asyncio.run(scenario())
 
 
-def test_a_pending_answer_goes_to_another_process_oldest_first(any_store: OpenStore) -> None:
-    async def scenario() -> None:
-        async with any_store() as store:
-            await running(store)
-            await record(store, "a1", boot="A")
-            await record(store, "a2", boot="A")
-            await record(store, "other", boot="A", request_hash=b"o" * 32)
-            assert await store.claim_answer("r", 1, HASH, "A") is None  # its own: a new call
-            claimed = await store.claim_answer("r", 1, HASH, "B")
-            assert claimed == PendingAnswer("a1", HASH, "B", b"body a1", False)
-            second = await store.claim_answer("r", 1, HASH, "B")
-            assert second is not None and second.answer_id == "a2"
-            await store.answer_delivered("r", 1, "a1")
-            await store.answer_delivered("r", 1, "a2")
-            assert await store.claim_answer("r", 1, HASH, "C") is None
-
-        async with any_store() as store:  # reopened: what kill -9 after the commit leaves
-            assert (await store.claim_answer("r", 1, b"o" * 32, "D")) is not None
-            await store.patch_rollout("r", StatusPatch(status=Status.SUCCEEDED), now=2.0)
-            assert await store.claim_answer("r", 1, b"o" * 32, "E") is None
-
-    asyncio.run(scenario())
-
-
 def test_models_and_meta(any_store: OpenStore) -> None:
     async def scenario() -> None:
         async with any_store() as store:

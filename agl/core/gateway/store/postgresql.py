@@ -37,7 +37,6 @@ from agl.core.contracts.queries import (
     EventQuery,
     RolloutQuery,
     RolloutRow,
-    SortKey,
     Summary,
     SummaryQuery,
     Transition,
@@ -63,6 +62,15 @@ from agl.core.gateway.store.base import (
 )
 from agl.core.gateway.store.lifecycle import IllegalTransition, apply_patch
 from agl.core.gateway.store.prompt_delta import PromptBase, StoredCall, check_tails, resolve
+from agl.core.gateway.store.rows import (
+    ROLLOUT_COLUMNS,
+    SORT_KEYS,
+    SUMMARY_COLUMNS,
+    Figures,
+    event_from_row,
+    figures,
+    rollout_from_row,
+)
 
 # The channel a change of the shared state is announced on.
 CHANNEL = "agl_shared"
@@ -173,17 +181,9 @@ CREATE TABLE IF NOT EXISTS rate_buckets (
 CREATE INDEX IF NOT EXISTS rate_buckets_by_full_at ON rate_buckets (full_at);
 """
 
-_ROLLOUT_COLUMNS = (
-    "rollout_id, group_id, mode, status, attempt, version, max_attempts, timeout_s, "
-    "created_at, updated_at, started_at, ended_at, error, input, metadata"
-)
 _EVENT_COLUMNS = (
     "rollout_id, attempt, event_id, seq, type, data, time, prompt_base, keep_ids, keep_input"
 )
-_SUMMARY_COLUMNS = (
-    "attempt, events, calls, failed_calls, tokens, context, rewards, reward, last_event_at"
-)
-
 # One statement: the rollout's append lock, the pending answer, the new events (in the
 # given order, known ids skipped) and what they add to the attempt's summary. $9..$15
 # are each distinct id's summary figures, computed by the caller from what it sends.
@@ -224,7 +224,7 @@ counted AS (
     ) AS c(event_id, calls, failed, tokens, context, rewards, reward) USING (event_id)
 ),
 summary AS (
-    INSERT INTO attempt_summaries AS s (rollout_id, {_SUMMARY_COLUMNS})
+    INSERT INTO attempt_summaries AS s (rollout_id, {SUMMARY_COLUMNS})
     SELECT $1, $2, count(*), sum(calls), sum(failed), sum(tokens), max(context), sum(rewards),
         (SELECT reward FROM counted WHERE rewards = 1 ORDER BY seq DESC LIMIT 1), $21
     FROM counted HAVING count(*) > 0
@@ -241,13 +241,6 @@ summary AS (
 SELECT event_id, seq FROM added
 """
 
-_SORT_KEYS = {
-    SortKey.CREATED: "r.seq",
-    SortKey.REWARD: "s.reward",
-    SortKey.TURNS: "s.calls",
-    SortKey.TOKENS: "s.tokens",
-    SortKey.DURATION: "r.ended_at - r.started_at",
-}
 # metadata.step, else metadata.batch + 1, where they are integers (SQLite's json_type
 # 'integer': 1.0 is not one); the metadata is orjson text in a BYTEA.
 _META = "convert_from(r.metadata, 'UTF8')::JSONB"
@@ -262,40 +255,6 @@ _STEP = f"""CASE
 _LIVE = "heard_at > clock_timestamp() - make_interval(secs => $1)"
 
 
-def _rollout(row: Sequence[Any]) -> Rollout:
-    return Rollout.model_construct(
-        rollout_id=row[0],
-        group_id=row[1],
-        mode=row[2],
-        status=Status(row[3]),
-        attempt=row[4],
-        version=row[5],
-        max_attempts=row[6],
-        timeout_s=row[7],
-        created_at=row[8],
-        updated_at=row[9],
-        started_at=row[10],
-        ended_at=row[11],
-        error=row[12],
-        input=orjson.loads(row[13]),
-        metadata=orjson.loads(row[14]),
-        attempt_key=None,
-        report_key=None,
-    )
-
-
-def _event(row: Sequence[Any], data: Any) -> Event:
-    return Event.model_construct(
-        rollout_id=row[0],
-        attempt=row[1],
-        event_id=row[2],
-        sequence=row[3],
-        type=row[4],
-        data=data,
-        time=row[6],
-    )
-
-
 def _stored(row: Sequence[Any], offset: int) -> StoredCall:
     """A row's data and base, from its columns ``seq`` at ``offset - 2`` ... (see the
     event columns: seq, type, data, time, prompt_base, keep_ids, keep_input)."""
@@ -305,27 +264,6 @@ def _stored(row: Sequence[Any], offset: int) -> StoredCall:
         orjson.loads(data),
         None if base is None else PromptBase(base, row[offset + 5], row[offset + 6]),
     )
-
-
-def _figures(e: EventIn, base: PromptBase | None) -> tuple[int, int, int, int, int, float | None]:
-    """What one new event adds to its summary: (calls, failed, tokens, context, rewards,
-    reward). A based call's context counts its whole prompt: the kept ids and its tail."""
-    data = e.data
-    if e.type == "model_request":
-        n = m = 0
-        if isinstance(data, dict):
-            response, prompt = data.get("response_ids"), data.get("prompt_ids")
-            n = len(response) if isinstance(response, list) else 0
-            m = len(prompt) if isinstance(prompt, list) else 0
-        kept = base.keep_ids if base is not None else 0
-        return 1, 0, n, kept + m + n, 0, None
-    if e.type == "model_request_failed":
-        return 0, 1, 0, 0, 0, None
-    if e.type == "reward":
-        # The trainer's reading (agl.core.trainer.collector): the last reward event's number.
-        value = data.get("value") if isinstance(data, dict) else None
-        return 0, 0, 0, 0, 1, float(value) if isinstance(value, int | float) else None
-    return 0, 0, 0, 0, 0, None
 
 
 def _check_bases(events: Sequence[EventIn], bases: Sequence[PromptBase | None]) -> None:
@@ -411,7 +349,7 @@ class PostgresStore(SharedStore):
         ids = [s.rollout_id for s in specs]
         await self._pool.execute(
             f"WITH lock AS (SELECT pg_advisory_xact_lock({_ROLLOUTS_LOCK})) "
-            f"INSERT INTO rollouts ({_ROLLOUT_COLUMNS}) "
+            f"INSERT INTO rollouts ({ROLLOUT_COLUMNS}) "
             "SELECT s.id, s.g, s.m, 'queuing', 1, 1, s.a, s.t, $7, $7, NULL, NULL, NULL, s.i, s.d "
             "FROM lock, unnest($1::TEXT[], $2::TEXT[], $3::TEXT[], $4::INT[], $5::FLOAT8[], "
             "$6::BYTEA[], $8::BYTEA[]) WITH ORDINALITY AS s(id, g, m, a, t, i, d, n) "
@@ -426,16 +364,16 @@ class PostgresStore(SharedStore):
             [orjson.dumps(s.metadata) for s in specs],
         )
         rows = await self._pool.fetch(
-            f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = ANY($1::TEXT[])", ids
+            f"SELECT {ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = ANY($1::TEXT[])", ids
         )
-        found = {row[0]: _rollout(row) for row in rows}
+        found = {row[0]: rollout_from_row(row) for row in rows}
         return [found[i] for i in ids]
 
     async def get_rollout(self, rollout_id: str) -> Rollout | None:
         row = await self._pool.fetchrow(
-            f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = $1", rollout_id
+            f"SELECT {ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = $1", rollout_id
         )
-        return None if row is None else _rollout(row)
+        return None if row is None else rollout_from_row(row)
 
     async def list_rollouts(self, query: RolloutQuery) -> tuple[list[Rollout], int | None]:
         args: list[Any] = [query.after]
@@ -449,23 +387,23 @@ class PostgresStore(SharedStore):
                 where.append(f"{column} = ${len(args)}")
         args.append(query.limit + 1)
         rows = await self._pool.fetch(
-            f"SELECT {_ROLLOUT_COLUMNS}, seq FROM rollouts WHERE {' AND '.join(where)} "
+            f"SELECT {ROLLOUT_COLUMNS}, seq FROM rollouts WHERE {' AND '.join(where)} "
             f"ORDER BY seq LIMIT ${len(args)}",
             *args,
         )
         more = len(rows) > query.limit
         rows = rows[: query.limit]
-        return [_rollout(row) for row in rows], (rows[-1][-1] if more else None)
+        return [rollout_from_row(row) for row in rows], (rows[-1][-1] if more else None)
 
     async def patch_rollout(self, rollout_id: str, patch: StatusPatch, now: float) -> Rollout:
         async with self._pool.acquire() as db, db.transaction():
             row = await db.fetchrow(
-                f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = $1 FOR UPDATE",
+                f"SELECT {ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = $1 FOR UPDATE",
                 rollout_id,
             )
             if row is None:
                 raise NotFound(f"rollout {rollout_id!r} does not exist")
-            current = _rollout(row)
+            current = rollout_from_row(row)
             updated = apply_patch(current, patch, now)
             if updated is None:
                 return current
@@ -495,7 +433,7 @@ class PostgresStore(SharedStore):
         expired = []
         async with self._pool.acquire() as db, db.transaction():
             rows = await db.fetch(
-                f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE status = 'running' "
+                f"SELECT {ROLLOUT_COLUMNS} FROM rollouts WHERE status = 'running' "
                 "AND timeout_s IS NOT NULL AND started_at + timeout_s <= $1 "
                 "FOR UPDATE SKIP LOCKED",
                 now,
@@ -503,7 +441,7 @@ class PostgresStore(SharedStore):
             for row in rows:
                 try:
                     updated = apply_patch(
-                        _rollout(row), StatusPatch(status=Status.FAILED, error=error), now
+                        rollout_from_row(row), StatusPatch(status=Status.FAILED, error=error), now
                     )
                 except IllegalTransition:
                     continue
@@ -529,10 +467,10 @@ class PostgresStore(SharedStore):
         first: dict[str, int] = {}  # each id's first event: the one stored if it is new
         for i, event_id in enumerate(ids):
             first.setdefault(event_id, i)
-        figures = [_figures(events[i], given[i]) for i in first.values()]
+        added = [figures(events[i].type, events[i].data, given[i]) for i in first.values()]
         try:
             rows = await self._append(
-                rollout_id, attempt, events, given, ids, list(first), figures, pending, now
+                rollout_id, attempt, events, given, ids, list(first), added, pending, now
             )
         except asyncpg.RaiseError as error:  # agl_refuse: a base that is not a call here
             raise ValueError(error.args[0] if error.args else str(error)) from None
@@ -568,7 +506,7 @@ class PostgresStore(SharedStore):
         given: list[PromptBase | None],
         ids: list[str],
         distinct: list[str],
-        figures: list[tuple[int, int, int, int, int, float | None]],
+        added: list[Figures],
         p: PendingAnswer | None,
         now: float,
     ) -> list[asyncpg.Record]:
@@ -583,12 +521,12 @@ class PostgresStore(SharedStore):
             [b.keep_ids if b else None for b in given],
             [b.keep_input if b else None for b in given],
             distinct,
-            [f[0] for f in figures],
-            [f[1] for f in figures],
-            [f[2] for f in figures],
-            [f[3] for f in figures],
-            [f[4] for f in figures],
-            [f[5] for f in figures],
+            [f.calls for f in added],
+            [f.failed for f in added],
+            [f.tokens for f in added],
+            [f.context for f in added],
+            [f.rewards for f in added],
+            [f.reward for f in added],
             None if p is None else p.answer_id,
             None if p is None else p.request_hash,
             None if p is None else p.boot,
@@ -615,7 +553,7 @@ class PostgresStore(SharedStore):
         """Events of ``rows`` (event columns) with every based call read back whole."""
         calls = [_stored(row, 3) for row in rows]
         if all(c.base is None for c in calls):
-            return [_event(row, c.data) for row, c in zip(rows, calls, strict=True)]
+            return [event_from_row(row, c.data) for row, c in zip(rows, calls, strict=True)]
 
         async def earlier(missing: set[int]) -> Iterable[StoredCall]:
             # The chain of bases of a page runs back to a call stored whole: one query
@@ -629,7 +567,7 @@ class PostgresStore(SharedStore):
             return [_stored(row, 0) for row in found]
 
         data = await resolve(calls, earlier)
-        return [_event(row, data[row[3]]) for row in rows]
+        return [event_from_row(row, data[row[3]]) for row in rows]
 
     async def claim_answer(
         self, rollout_id: str, attempt: int, request_hash: bytes, boot: str
@@ -735,25 +673,25 @@ class PostgresStore(SharedStore):
         )
         condition = f"WHERE {' AND '.join(where)}" if where else ""
         total = await self._pool.fetchval(f"SELECT count(*) {joined} {condition}", *args)
-        key = _SORT_KEYS[query.sort]
+        key = SORT_KEYS[query.sort]
         direction = "DESC" if query.descending else "ASC"
-        columns = ", ".join(f"r.{c.strip()}" for c in _ROLLOUT_COLUMNS.split(","))
-        summary = ", ".join(f"s.{c.strip()}" for c in _SUMMARY_COLUMNS.split(","))
+        columns = ", ".join(f"r.{c.strip()}" for c in ROLLOUT_COLUMNS.split(","))
+        summary = ", ".join(f"s.{c.strip()}" for c in SUMMARY_COLUMNS.split(","))
         limit, offset = bind(query.limit), bind(query.offset)
         rows = await self._pool.fetch(
             f"SELECT {columns}, {summary} {joined} {condition} "
             f"ORDER BY {key} IS NULL, {key} {direction}, r.seq LIMIT {limit} OFFSET {offset}",
             *args,
         )
-        split = _ROLLOUT_COLUMNS.count(",") + 1
+        split = ROLLOUT_COLUMNS.count(",") + 1
         return [
-            RolloutRow(_rollout(row), None if row[split] is None else Summary(*row[split:]))
+            RolloutRow(rollout_from_row(row), None if row[split] is None else Summary(*row[split:]))
             for row in rows
         ], total
 
     async def summaries(self, rollout_id: str) -> list[Summary]:
         rows = await self._pool.fetch(
-            f"SELECT {_SUMMARY_COLUMNS} FROM attempt_summaries WHERE rollout_id = $1 "
+            f"SELECT {SUMMARY_COLUMNS} FROM attempt_summaries WHERE rollout_id = $1 "
             "ORDER BY attempt",
             rollout_id,
         )

@@ -33,7 +33,6 @@ from agl.core.contracts.queries import (
     EventQuery,
     RolloutQuery,
     RolloutRow,
-    SortKey,
     Summary,
     SummaryQuery,
     Transition,
@@ -51,6 +50,14 @@ from agl.core.gateway.private_files import DIR_MODE, private_sqlite
 from agl.core.gateway.store.base import NotFound, PendingAnswer, Store
 from agl.core.gateway.store.lifecycle import IllegalTransition, apply_patch
 from agl.core.gateway.store.prompt_delta import PromptBase, StoredCall, check_tails, resolve
+from agl.core.gateway.store.rows import (
+    ROLLOUT_COLUMNS,
+    SORT_KEYS,
+    SUMMARY_COLUMNS,
+    event_from_row,
+    figures,
+    rollout_from_row,
+)
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +139,8 @@ CREATE TABLE IF NOT EXISTS transitions (
 CREATE INDEX IF NOT EXISTS transitions_by_rollout ON transitions (rollout_id, seq);
 """
 
-_SUMMARY_COLUMNS = (
-    "attempt, events, calls, failed_calls, tokens, context, rewards, reward, last_event_at"
-)
 _ADD_TO_SUMMARY = f"""
-INSERT INTO attempt_summaries (rollout_id, {_SUMMARY_COLUMNS})
+INSERT INTO attempt_summaries (rollout_id, {SUMMARY_COLUMNS})
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (rollout_id, attempt) DO UPDATE SET
     events = events + excluded.events,
@@ -153,7 +157,7 @@ ON CONFLICT (rollout_id, attempt) DO UPDATE SET
 # JSON functions (the data is orjson text in a BLOB: CAST keeps SQLite from reading it
 # as its binary JSONB).
 _BACKFILL_SUMMARIES = f"""
-INSERT OR IGNORE INTO attempt_summaries (rollout_id, {_SUMMARY_COLUMNS})
+INSERT OR IGNORE INTO attempt_summaries (rollout_id, {SUMMARY_COLUMNS})
 SELECT rollout_id, attempt, COUNT(*),
     SUM(type = 'model_request'),
     SUM(type = 'model_request_failed'),
@@ -177,13 +181,6 @@ SELECT rollout_id, attempt, COUNT(*),
 FROM events GROUP BY rollout_id, attempt
 """
 
-_SORT_KEYS = {
-    SortKey.CREATED: "r.seq",
-    SortKey.REWARD: "s.reward",
-    SortKey.TURNS: "s.calls",
-    SortKey.TOKENS: "s.tokens",
-    SortKey.DURATION: "r.ended_at - r.started_at",
-}
 _STEP = """CASE
     WHEN json_type(CAST(r.metadata AS TEXT), '$.step') = 'integer'
         THEN json_extract(CAST(r.metadata AS TEXT), '$.step')
@@ -191,48 +188,10 @@ _STEP = """CASE
         THEN json_extract(CAST(r.metadata AS TEXT), '$.batch') + 1
     END"""
 
-_ROLLOUT_COLUMNS = (
-    "rollout_id, group_id, mode, status, attempt, version, max_attempts, timeout_s, "
-    "created_at, updated_at, started_at, ended_at, error, input, metadata"
-)
 _EVENT_COLUMNS = "rollout_id, attempt, event_id, seq, type, data, time"
 # A model_request stored by what it adds (prompt_delta.PromptBase): NULL when stored whole,
 # and in every row of a store made before them (added by ALTER TABLE on open).
 _BASE_COLUMNS = ("prompt_base", "keep_ids", "keep_input")
-
-
-def _rollout(row: tuple[Any, ...]) -> Rollout:
-    return Rollout.model_construct(
-        rollout_id=row[0],
-        group_id=row[1],
-        mode=row[2],
-        status=Status(row[3]),
-        attempt=row[4],
-        version=row[5],
-        max_attempts=row[6],
-        timeout_s=row[7],
-        created_at=row[8],
-        updated_at=row[9],
-        started_at=row[10],
-        ended_at=row[11],
-        error=row[12],
-        input=orjson.loads(row[13]),
-        metadata=orjson.loads(row[14]),
-        attempt_key=None,
-        report_key=None,
-    )
-
-
-def _event(row: Sequence[Any], data: Any) -> Event:
-    return Event.model_construct(
-        rollout_id=row[0],
-        attempt=row[1],
-        event_id=row[2],
-        sequence=row[3],
-        type=row[4],
-        data=data,
-        time=row[6],
-    )
 
 
 def _base(row: Sequence[Any]) -> PromptBase | None:
@@ -257,24 +216,15 @@ class _Added:
 
     def count(self, type_: str, data: Any, base: PromptBase | None = None) -> None:
         """Count one event; ``base``: its data holds the tails (the base's tokens count)."""
+        f = figures(type_, data, base)
         self.events += 1
-        if type_ == "model_request":
-            self.calls += 1
-            if isinstance(data, dict):
-                response = data.get("response_ids")
-                prompt = data.get("prompt_ids")
-                n = len(response) if isinstance(response, list) else 0
-                m = len(prompt) if isinstance(prompt, list) else 0
-                kept = 0 if base is None else base.keep_ids
-                self.tokens += n
-                self.context = max(self.context, kept + m + n)
-        elif type_ == "model_request_failed":
-            self.failed_calls += 1
-        elif type_ == "reward":
-            # The trainer's reading (agl.core.trainer.collector): the last reward event's number.
+        self.calls += f.calls
+        self.failed_calls += f.failed
+        self.tokens += f.tokens
+        self.context = max(self.context, f.context)
+        if f.rewards:
             self.rewards += 1
-            value = data.get("value") if isinstance(data, dict) else None
-            self.reward = float(value) if isinstance(value, int | float) else None
+            self.reward = f.reward
 
     def row(self) -> tuple[Any, ...]:
         return (
@@ -366,7 +316,7 @@ class SqliteStore(Store):
     async def create_rollouts(self, specs: Sequence[RolloutSpec], now: float) -> list[Rollout]:
         with self._write() as db:
             db.executemany(
-                f"INSERT OR IGNORE INTO rollouts ({_ROLLOUT_COLUMNS}) "
+                f"INSERT OR IGNORE INTO rollouts ({ROLLOUT_COLUMNS}) "
                 "VALUES (?, ?, ?, 'queuing', 1, 1, ?, ?, ?, ?, NULL, NULL, NULL, ?, ?)",
                 [
                     (
@@ -393,16 +343,16 @@ class SqliteStore(Store):
             chunk = ids[start : start + 500]
             marks = ",".join("?" * len(chunk))
             rows = self._db.execute(
-                f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id IN ({marks})", chunk
+                f"SELECT {ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id IN ({marks})", chunk
             )
-            out.extend(_rollout(row) for row in rows)
+            out.extend(rollout_from_row(row) for row in rows)
         return out
 
     async def get_rollout(self, rollout_id: str) -> Rollout | None:
         row = self._db.execute(
-            f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+            f"SELECT {ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
         ).fetchone()
-        return None if row is None else _rollout(row)
+        return None if row is None else rollout_from_row(row)
 
     async def list_rollouts(self, query: RolloutQuery) -> tuple[list[Rollout], int | None]:
         where: list[str] = ["seq > ?"]
@@ -417,13 +367,13 @@ class SqliteStore(Store):
             where.append("group_id = ?")
             args.append(query.group_id)
         rows = self._db.execute(
-            f"SELECT {_ROLLOUT_COLUMNS}, seq FROM rollouts WHERE {' AND '.join(where)} "
+            f"SELECT {ROLLOUT_COLUMNS}, seq FROM rollouts WHERE {' AND '.join(where)} "
             "ORDER BY seq LIMIT ?",
             [*args, query.limit + 1],
         ).fetchall()
         more = len(rows) > query.limit
         rows = rows[: query.limit]
-        return [_rollout(row) for row in rows], (rows[-1][-1] if more else None)
+        return [rollout_from_row(row) for row in rows], (rows[-1][-1] if more else None)
 
     async def patch_rollout(self, rollout_id: str, patch: StatusPatch, now: float) -> Rollout:
         current = await self.get_rollout(rollout_id)
@@ -463,13 +413,13 @@ class SqliteStore(Store):
 
     async def expire_running(self, now: float, error: str) -> list[Rollout]:
         rows = self._db.execute(
-            f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE status = 'running' "
+            f"SELECT {ROLLOUT_COLUMNS} FROM rollouts WHERE status = 'running' "
             "AND timeout_s IS NOT NULL AND started_at + timeout_s <= ?",
             (now,),
         ).fetchall()
         expired = []
         for row in rows:
-            current = _rollout(row)
+            current = rollout_from_row(row)
             try:
                 updated = apply_patch(current, StatusPatch(status=Status.FAILED, error=error), now)
             except IllegalTransition:
@@ -548,7 +498,7 @@ class SqliteStore(Store):
                         (rollout_id, attempt, event_id),
                     ).fetchone()
                     data = orjson.loads(row[5])
-                    stored.append(_event(row, data))
+                    stored.append(event_from_row(row, data))
                     if (base_of_row := _base(row)) is not None:
                         known.append((len(stored) - 1, StoredCall(row[3], data, base_of_row)))
             if added.events:
@@ -637,8 +587,8 @@ class SqliteStore(Store):
         calls = [StoredCall(row[3], orjson.loads(row[5]), _base(row)) for row in rows]
         if any(call.base is not None for call in calls):
             decoded = await resolve(calls, lambda missing: self._chains(rollout_id, missing))
-            return [_event(row, decoded[row[3]]) for row in rows]
-        return [_event(row, call.data) for row, call in zip(rows, calls, strict=True)]
+            return [event_from_row(row, decoded[row[3]]) for row in rows]
+        return [event_from_row(row, call.data) for row, call in zip(rows, calls, strict=True)]
 
     async def _chains(self, rollout_id: str, sequences: set[int]) -> list[StoredCall]:
         """The rows at ``sequences`` and every base they are stored on, down to calls
@@ -682,24 +632,24 @@ class SqliteStore(Store):
         )
         condition = f"WHERE {' AND '.join(where)}" if where else ""
         (total,) = self._db.execute(f"SELECT COUNT(*) {joined} {condition}", args).fetchone()
-        key = _SORT_KEYS[query.sort]
+        key = SORT_KEYS[query.sort]
         direction = "DESC" if query.descending else "ASC"
-        columns = ", ".join(f"r.{c.strip()}" for c in _ROLLOUT_COLUMNS.split(","))
-        summary = ", ".join(f"s.{c.strip()}" for c in _SUMMARY_COLUMNS.split(","))
+        columns = ", ".join(f"r.{c.strip()}" for c in ROLLOUT_COLUMNS.split(","))
+        summary = ", ".join(f"s.{c.strip()}" for c in SUMMARY_COLUMNS.split(","))
         rows = self._db.execute(
             f"SELECT {columns}, {summary} {joined} {condition} "
             f"ORDER BY {key} IS NULL, {key} {direction}, r.seq LIMIT ? OFFSET ?",
             [*args, query.limit, query.offset],
         ).fetchall()
-        split = _ROLLOUT_COLUMNS.count(",") + 1
+        split = ROLLOUT_COLUMNS.count(",") + 1
         return [
-            RolloutRow(_rollout(row), None if row[split] is None else _summary(row[split:]))
+            RolloutRow(rollout_from_row(row), None if row[split] is None else _summary(row[split:]))
             for row in rows
         ], total
 
     async def summaries(self, rollout_id: str) -> list[Summary]:
         rows = self._db.execute(
-            f"SELECT {_SUMMARY_COLUMNS} FROM attempt_summaries WHERE rollout_id = ? "
+            f"SELECT {SUMMARY_COLUMNS} FROM attempt_summaries WHERE rollout_id = ? "
             "ORDER BY attempt",
             (rollout_id,),
         )
