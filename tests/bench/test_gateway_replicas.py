@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import pytest
 
+from agl.testing.postgres import binaries
 from bench.gateway_replicas import SETUPS, measure, measured_table, paper_table
 
 
 @pytest.mark.timeout(120)
 def test_every_setup_serves_its_agents_and_the_writes_per_call_do_not_depend_on_replicas() -> None:
+    try:
+        binaries()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))  # tests/run installs it
     rows = measure(agents=4, seconds=0.3)
     assert [(r.setup, r.workload) for r in rows] == [
         (s, w) for s in SETUPS for w in ("chat", "events")

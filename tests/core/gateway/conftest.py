@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agl.core.gateway.store import Store, open_store
-from agl.testing.postgres import PASSWORD, PostgresServer, postgres_server
+from agl.testing.postgres import PASSWORD, PostgresServer, binaries, postgres_server
 
 OpenStore = Callable[[], AbstractAsyncContextManager[Store]]
 
@@ -38,6 +38,10 @@ def _postgresql(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def postgres() -> Iterator[PostgresServer]:
     """A real PostgreSQL server for this session (one per xdist worker); each test that
     needs one makes a database of its own on it (``create_database``)."""
+    try:
+        binaries()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))  # tests/run installs it
     with postgres_server() as server:
         yield server
 
