@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from agl.core.contracts.samples import Sample
 from agl.strategies.registry import KINDS, get, names
+from agl.strategies.weights import push
 
 
 def sample(rollout: str, actions: int, group: str = "g", context: int = 2) -> Sample:
@@ -203,3 +204,39 @@ def test_every_strategy_has_a_yaml_of_its_name_and_back() -> None:
                     [sample("r", 1), sample("s", 1)], {"r": 1.0, "s": 0.0}, **extra
                 )
                 assert won == pytest.approx(-lost) and won > 0
+
+
+# -- push: which way a batch's loss pushes --------------------------------------------
+
+
+def test_push_by_hand() -> None:
+    """A win of 1 sample (4 tokens) and a loss of 3 samples (4 tokens each), rollout-level
+    advantages +0.5 / -0.5: token-mean weighs each token 1/16, so Σ w·A = (4 - 12) / 32."""
+    samples = [sample("win", 4), *(sample("loss", 4) for _ in range(3))]
+    advantages = [0.5, -0.5, -0.5, -0.5]
+    pushed = push(get("loss", "token_mean")(samples), advantages)
+    assert pushed["net_push"] == pytest.approx(-0.5)  # (4 - 12) / (4 + 12)
+    assert pushed["negative_weight"] == pytest.approx(0.75)
+    balanced = push(get("loss", "rollout_mean")(samples), advantages)
+    assert balanced["net_push"] == pytest.approx(0.0, abs=1e-12)
+    assert balanced["negative_weight"] == pytest.approx(0.5)
+
+
+@given(groups(), st.integers(0, 2**32 - 1))
+def test_rollout_advantage_and_rollout_mean_push_neither_way(
+    drawn: tuple[dict[str, float], dict[str, str]], seed: int
+) -> None:
+    """Each rollout weighs the same and a group's rollout advantages sum to 0, however its
+    rollouts are split: the net push is 0."""
+    rewards, group_of = drawn
+    samples = split(random.Random(seed), rewards, group_of)
+    advantages = get("advantage", "rollout")(samples, rewards)
+    pushed = push(get("loss", "rollout_mean")(samples), advantages)
+    assert pushed["net_push"] == pytest.approx(0.0, abs=1e-9)
+    assert -1.0 <= push(get("loss", "token_mean")(samples), advantages)["net_push"] <= 1.0
+
+
+def test_push_refuses_rows_that_do_not_match() -> None:
+    with pytest.raises(ValueError, match="2 weight rows for 1 advantages"):
+        push([[1.0], [1.0]], [0.5])
+    assert push([[0.0]], [0.0]) == {"net_push": 0.0, "negative_weight": 0.0}

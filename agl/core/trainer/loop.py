@@ -50,6 +50,7 @@ from agl.core.trainer.assemble import (
 )
 from agl.core.trainer.collector import Collector, Group
 from agl.strategies.dedup import DEDUP_RULES
+from agl.strategies.weights import push
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +265,7 @@ class Trainer:
 
     def _train(self, batch: Batch) -> dict[str, float]:
         metrics = self.policy.train(batch.samples, batch.advantages, self.loss)
+        metrics |= push(self.loss(batch.samples), batch.advantages)
         return {f"train/{k}": v for k, v in metrics.items()}
 
     # ------------------------------------------------------------------ validation
