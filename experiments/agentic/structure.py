@@ -17,7 +17,7 @@ import argparse
 import dataclasses
 import functools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,11 +27,11 @@ from agl.strategies.dedup import dedup
 from agl.strategies.merge_metrics import merge_metrics, unique_tokens
 from agl.strategies.registry import get, names
 from experiments.agentic.baselines import TASK_CONFIG
-from experiments.agentic.harness import Game, Mechanisms
-from experiments.agentic.warmup import ScriptedPlayer, encode_reply, prompt_ids, transcripts
+from experiments.agentic.harness import Game, Mechanisms, play
+from experiments.agentic.warmup import ScriptedPlayer, encode_reply, prompt_ids
 from experiments.guess.baselines import task_options
 from experiments.guess.data import house_weights
-from experiments.guess.warmup import DropoutBPE
+from experiments.guess.warmup import DropoutBPE, at_once
 
 NONE = Mechanisms(tools=False, think=False, subagent=False, summary_chars=0, retry_rate=0.0)
 # Past 30 characters: every history that reaches a second turn is summarized.
@@ -67,30 +67,62 @@ def rollouts(
     mechanisms: Mechanisms, n: int, seed: int, dropout: float = 0.0, max_turns: int = 2
 ) -> list[list[ModelCall]]:
     """``n`` games of the random player (targets from the task's house weights), as calls."""
-    tokenizer = tiny_tokenizer()
-    rng = random.Random(f"agentic-structure:{seed}")
     option = task_options(TASK_CONFIG).get("target_weights")
     weights = house_weights(1, 8, option if isinstance(option, list) else None)
+    played = games(mechanisms, n, seed, low=1, high=8, max_turns=max_turns, weights=weights)
+    return [g.calls for g in played]
+
+
+# A scripted player of ``low..high`` (``ScriptedPlayer``'s arguments).
+Player = Callable[[random.Random, int, int, Mechanisms], ScriptedPlayer]
+
+
+@dataclass(frozen=True)
+class Played:
+    """One game: its calls as the server saw them, the harness's reward and its turns."""
+
+    calls: list[ModelCall]
+    reward: float
+    turns: int
+
+
+def games(
+    mechanisms: Mechanisms,
+    n: int,
+    seed: int,
+    *,
+    low: int,
+    high: int,
+    max_turns: int,
+    weights: Sequence[float],
+    dropout: float = 0.0,
+    player: Player = ScriptedPlayer,
+) -> list[Played]:
+    """``n`` games of ``player`` (the warm-up's random player by default) through the
+    harness, targets drawn from ``weights`` (one per number of ``low..high``)."""
+    tokenizer = tiny_tokenizer()
+    rng = random.Random(f"agentic-structure:{seed}")
     segment = DropoutBPE(tokenizer, dropout, random.Random(f"agentic-structure-bpe:{seed}"))
-    player = ScriptedPlayer(rng, 1, 8, mechanisms)
+    scripted = player(rng, low, high, mechanisms)
     out = []
     for _ in range(n):
-        game = Game(target=rng.choices(range(1, 9), weights)[0], max_turns=max_turns)
-        calls = transcripts(player, [game], mechanisms, rng)
-        out.append(
-            [
-                ModelCall(
-                    prompt_ids(tokenizer, messages),
-                    (ids := encode_reply(tokenizer, text, segment)),
-                    [0.0] * len(ids),
-                )
-                for messages, text in calls
-            ]
-        )
+        target = rng.choices(range(low, high + 1), weights)[0]
+        game = Game(target=target, low=low, high=high, max_turns=max_turns)
+        scripted.calls = []
+        episode = at_once(play(game, mechanisms, scripted, rng), "a scripted game")
+        calls = [
+            ModelCall(
+                prompt_ids(tokenizer, messages),
+                (ids := encode_reply(tokenizer, text, segment)),
+                [0.0] * len(ids),
+            )
+            for messages, text in scripted.calls
+        ]
+        out.append(Played(calls, episode.reward, len(episode.guesses)))
     return out
 
 
-def structure(calls: Sequence[list[ModelCall]], merge: str) -> Structure:
+def structure(calls: Sequence[Sequence[ModelCall]], merge: str) -> Structure:
     decode = tiny_tokenizer().decode
     strategy = get("merge", merge)
     options = {"decode": decode} if merge == "stitch" else {}
