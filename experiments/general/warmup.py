@@ -7,6 +7,11 @@ replies only. The sandbox is simulated (``SimulatedComputer``): ``grep -Fw`` ove
 real tables with the episode's invented rows among their matches, and the files written
 in memory, so a step costs no process.
 
+The tables it greps hold no held-out country's row nor its cities' (``warmup_tables``):
+an invented name can match a real line as a word, and the model learns what the grep
+prints, so over the whole tables it would read the rows validation questions are
+answered by.
+
 The scripted player, at the first call, either reads the tables or answers at once:
 
 - reading, it greps the table the question needs for the name it asks about (then, for
@@ -47,7 +52,7 @@ from experiments.general.tables import CITIES, COUNTRIES, city_line, country_lin
 from experiments.general.tables import table_lines as real_tables
 from experiments.guess.warmup import Batch, DropoutBPE, at_once, masked_batch, trained
 from experiments.search.baselines import echo
-from experiments.search.facts import world
+from experiments.search.facts import World, world
 from experiments.search.harness import Options as SearchOptions
 from experiments.search.harness import Question
 from experiments.search.invented import Invented
@@ -170,6 +175,33 @@ def episode_calls(
     return calls
 
 
+def warmup_tables(places: World) -> dict[str, list[str]]:
+    """The tables the warm-up's simulated computer greps: the real ones without the
+    held-out countries' rows and their cities' (``World.held_out``), in the real order.
+    An invented name can match a real line as a word ("Athi" in "Athi River"), and the
+    model learns every line a grep prints: over the whole tables the warm-up showed the
+    answering rows of validation questions. Here no transcript shows a row that any
+    validation question (of any size or kind) is answered by."""
+    kept = tuple(c for c in places.countries if not places.held_out(c))
+    cities = tuple(c for c in places.cities if not places.held_out(c.country))
+    return real_tables(World(kept, cities))
+
+
+def scripted_episode(
+    tokenizer: Any,
+    place: Invented,
+    guess: str | None,
+    tables: dict[str, list[str]],
+    options: Options,
+    rng: random.Random,
+) -> list[tuple[list[int], str]]:
+    """One warm-up episode's calls: ``place``'s question read (``guess`` None) or
+    answered at once with ``guess``, over ``tables`` and the place's invented rows."""
+    replies = plan(place.question, guess is None, guess or "", options.tools)
+    computer = SimulatedComputer(tables, invented_rows(place), rng)
+    return episode_calls(tokenizer, place.question, replies, options, computer)
+
+
 def warm_up(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -189,16 +221,14 @@ def warm_up(
     check_options(steps, questions_per_step, search_share, loss)
     harness = Options.from_input(options)
     start = time.perf_counter()
-    tables = real_tables(world())
+    tables = warmup_tables(world())
     rng = random.Random(f"general-warmup:{seed}")
     segment = DropoutBPE(tokenizer, 0.0, rng)  # canonical: p = 0 draws nothing
 
     def batch() -> Batch:
         rows = []
         for place, guess in step_episodes(rng, questions_per_step, search_share, kinds):
-            replies = plan(place.question, guess is None, guess or "", harness.tools)
-            computer = SimulatedComputer(tables, invented_rows(place), rng)
-            calls = episode_calls(tokenizer, place.question, replies, harness, computer)
+            calls = scripted_episode(tokenizer, place, guess, tables, harness, rng)
             rows += episode_rows(tokenizer, calls, segment, loss)
         return masked_batch(tokenizer, rows)
 

@@ -356,6 +356,71 @@ def test_the_simulated_computer_answers_as_the_sandbox_does(root: Path) -> None:
         assert (mine.exit, mine.output) == (real.exit, real.output)
 
 
+def answering_rows() -> dict[str, str]:
+    """Every validation question's answering rows (any kind, the study's 256 and more):
+    question -> the table lines it is answered from."""
+    from experiments.general.tables import city_line, country_line
+    from experiments.search.baselines import echo
+    from experiments.search.facts import val_inputs
+
+    places = world()
+    countries = {c.name: c for c in places.countries}
+    cities = {c.name: c for c in places.cities}
+    kinds = {"capital": 1.0, "country": 1.0, "two_hop": 1.0}
+    rows = {}
+    for q in val_inputs(1024, kinds=kinds):
+        name = echo(q["question"])
+        if q["kind"] == "capital":
+            rows[country_line(countries[name])] = q["question"]
+        else:
+            rows[city_line(cities[name])] = q["question"]
+            rows[country_line(cities[name].country)] = q["question"]
+    return rows
+
+
+def test_the_warm_up_shows_no_row_a_validation_question_is_answered_by() -> None:
+    """An invented name can match a real line as a word, and the warm-up learns what its
+    grep prints: a name that is a word of a validation question's answering row (as
+    "Athi" is of "Athi River") must not bring that row into the transcript, while the
+    training side's rows stay for it to find."""
+    from experiments.agentic.structure import tiny_tokenizer
+    from experiments.general.warmup import scripted_episode, warmup_tables
+    from experiments.search.facts import City, Country, question
+    from experiments.search.invented import Invented
+
+    rows = answering_rows()
+    tables = warmup_tables(world())
+    shown = {line for lines in tables.values() for line in lines}
+    assert not shown & set(rows)
+    kept = [c for c in world().cities if not world().held_out(c.country)]
+    assert shown >= {f"{c.name}\t{c.country.name}" for c in kept}
+
+    # Words of answering city rows that name no real place: what an invented name can be.
+    taken = {c.name.lower() for c in world().cities}
+    taken |= {c.name.lower() for c in world().countries}
+    words = sorted(
+        {
+            word
+            for line in rows
+            if line.count("\t") == 1
+            for word in line.split("\t")[0].split(" ")
+            if len(word) >= 3 and word.lower() not in taken
+        }
+    )[:10]
+    assert words, "no answering row holds a word an invented name could be"
+    tokenizer = tiny_tokenizer()
+    options = Options(tools=("execute_bash", "submit"), prompt="short", max_turns=4)
+    for word in words:
+        country = Country("XX", "Ostravia", "Ostrava Nova", "Europe")
+        city = City(word, country)
+        place = Invented(question("country", country, city), country, city)
+        calls = scripted_episode(tokenizer, place, None, tables, options, random.Random(0))
+        transcript = tokenizer.decode(calls[-1][0])
+        assert f"{word}\tOstravia" in transcript  # the invented row, found
+        leaked = [line for line in rows if line in transcript]
+        assert not leaked, f"the warm-up's grep for {word!r} showed {leaked}"
+
+
 # ------------------------------------------------------------------- records and recipes
 
 FIXTURE = ROOT / "experiments" / "general" / "fixtures" / "tasks.jsonl"
