@@ -82,10 +82,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         build(reported, out, report)
 
     failed = []
-    if not args.report_only:
-        results = run_study(study, out, args.overrides, args.only, on_run)
-        failed = [r for r in results if r.status == "failed"]
-    written = build(reported, out, report)
+    try:
+        if not args.report_only:
+            results = run_study(study, out, args.overrides, args.only, on_run)
+            failed = [r for r in results if r.status == "failed"]
+        written = build(reported, out, report)
+    except UserError as error:  # a malformed metrics line, a value past its bounds
+        sys.stderr.write(f"agl.study: {error}\n")
+        return 2
     if written is None:
         sys.stderr.write(f"agl.study: no finished run under {out}: no report\n")
         return 1

@@ -73,7 +73,7 @@ def test_the_report_has_intervals_bands_and_statements(mini: Path) -> None:
     assert "| rollout+rollout_mean | 2 |" in summary
     assert "[" in summary.split("## At the last step")[1]  # mean [low, high]
     assert "best feedback-blind player" in summary
-    assert "Welch p =" in summary and "Holm" in summary
+    assert "paired p =" in summary and "Holm p =" in summary and "80%" in summary
     for png in ("val_reward.png", "merge_samples_per_rollout.png", "time_wall_s.png"):
         assert (mini / "report" / png).stat().st_size > 1000
     assert "val_reward.png" in (mini / "report" / "index.html").read_text()
@@ -96,26 +96,30 @@ def test_a_start_with_some_seeds_still_reports_the_whole_study(mini: Path) -> No
     assert "| rollout+rollout_mean | 2 |" in summary
 
 
-def test_comparisons_are_holm_adjusted_and_name_what_the_seeds_support(mini: Path) -> None:
+def test_comparisons_are_paired_holm_adjusted_and_name_what_the_seeds_support(mini: Path) -> None:
     study = load_study("mini")
     from agl.study.report import load_settings
 
-    found = comparisons(load_settings(study, mini), "rollout+rollout_mean")
+    found = comparisons(study, load_settings(study, mini))
     assert found and all(c.setting == "sample+token_mean" for c in found)
-    assert all(c.adjusted_p >= c.p for c in found)
+    assert all(c.seeds == [0, 1] for c in found)
+    tested = [c for c in found if c.p is not None and c.adjusted_p is not None]
+    assert tested and all(c.adjusted_p >= c.p for c in tested)
 
 
 def _setting(name: str, values: list[float]) -> Setting:
     runs = [
         Run(Path(f"{name}{i}"), {}, [{"step": 1, "val/reward": v}]) for i, v in enumerate(values)
     ]
-    return Setting(name, runs)
+    return Setting(name, runs, list(range(len(values))))
 
 
 def test_comparing_settings_without_noise() -> None:
-    found = comparisons([_setting("a", [0.5, 0.5]), _setting("b", [0.625, 0.625])], "a")
-    (c,) = [c for c in found if c.metric.key == "val/reward"]
-    assert c.difference == pytest.approx(0.125) and c.supported
+    study = parse_study({"settings": {"a": [], "b": []}, "reference": "a"}, "s")
+    found = comparisons(study, [_setting("a", [0.5, 0.5]), _setting("b", [0.625, 0.625])])
+    (c,) = [c for c in found if c.endpoint.metric == "val/reward"]
+    assert c.difference.mean == pytest.approx(0.125) and c.supported and c.p == 0.0
+    assert c.detectable == 0.0  # the pairs do not vary: any difference shows
 
 
 def test_what_training_added_is_paired_by_seed() -> None:
@@ -133,6 +137,7 @@ def test_what_training_added_is_paired_by_seed() -> None:
                 )
                 for i, (a, b) in enumerate(pairs)
             ],
+            list(range(len(pairs))),
         )
 
     clear, noise, lone = learning_lines(
@@ -162,6 +167,39 @@ def test_every_study_file_parses() -> None:
         assert study.runs() and (study.reference is None or study.reference in study.settings)
 
 
+_END = {"name": "final reward", "metric": "val/reward"}
+
+
+def test_a_study_with_its_analysis_parses() -> None:
+    study = parse_study(
+        {
+            "settings": {"a": [], "b": []},
+            "reference": "a",
+            "seeds_fixed_before_running": True,
+            "preregistration": "  fixed before the first run\n",
+            "endpoints": [
+                {"name": "check", "metric": "train/net_push", "reduction": {"at_step": 1}},
+                {"name": "slope", "metric": "train/entropy", "reduction": "slope", "test": False},
+                {"name": "auc", "metric": "val/reward", "reduction": "auc", "bounds": [0, 1]},
+                _END | {"bounds": [0, None]},
+            ],
+            "by_construction": {"b": ["merge/samples_per_rollout"]},
+        },
+        "s",
+    )
+    assert [(e.reduction, e.step, e.bounds, e.test) for e in study.endpoints] == [
+        ("at_step", 1, (None, None), True),
+        ("slope", None, (None, None), False),
+        ("auc", None, (0.0, 1.0), True),
+        ("last", None, (0.0, None), True),
+    ]
+    assert study.by_construction == {"b": ["merge/samples_per_rollout"]}
+    assert study.seeds_fixed_before_running is True
+    assert study.preregistration == "fixed before the first run"
+    plain = parse_study({"settings": {"a": []}}, "p")
+    assert plain.endpoints == [] and plain.seeds_fixed_before_running is None
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
@@ -172,6 +210,26 @@ def test_every_study_file_parses() -> None:
         ({"settings": {"a": "merge=tree"}}, "list of key=value"),
         ({"settings": {"a": []}, "bogus": 1}, "unknown keys"),
         ({"settings": {"a": []}, "baselines": [{"metric": "x"}]}, "needs metric, value and name"),
+        ({"settings": {"a": []}, "endpoints": {"a": 1}}, "'endpoints' must be a list"),
+        ({"settings": {"a": []}, "endpoints": [{"metric": "x"}]}, "needs a name and a metric"),
+        ({"settings": {"a": []}, "endpoints": [_END | {"reduction": "max"}]}, "not one of"),
+        ({"settings": {"a": []}, "endpoints": [_END | {"reduction": "at_step"}]}, "its step"),
+        ({"settings": {"a": []}, "endpoints": [_END | {"reduction": {"at": 1}}]}, "{at_step: N}"),
+        ({"settings": {"a": []}, "endpoints": [_END | {"reduction": {"at_step": -1}}]}, "before"),
+        ({"settings": {"a": []}, "endpoints": [_END | {"bounds": [1, 0]}]}, "low < high"),
+        ({"settings": {"a": []}, "endpoints": [_END | {"bounds": [0]}]}, "bounds are"),
+        ({"settings": {"a": []}, "endpoints": [_END | {"bounds": ["a", 1]}]}, "a number or null"),
+        ({"settings": {"a": []}, "endpoints": [_END | {"test": "yes"}]}, "true or false"),
+        ({"settings": {"a": []}, "endpoints": [_END | {"when": 1}]}, "unknown keys"),
+        ({"settings": {"a": []}, "endpoints": [_END, _END]}, "distinct"),
+        ({"settings": {"a": [], "b": []}, "by_construction": {"c": ["x"]}}, "no setting"),
+        (
+            {"settings": {"a": [], "b": []}, "reference": "a", "by_construction": {"a": ["x"]}},
+            "other than the reference",
+        ),
+        ({"settings": {"a": [], "b": []}, "by_construction": {"b": "x"}}, "lists of metric"),
+        ({"settings": {"a": []}, "seeds_fixed_before_running": "yes"}, "true or false"),
+        ({"settings": {"a": []}, "preregistration": ["x"]}, "a short note"),
     ],
 )
 def test_a_bad_study_gets_a_clear_error(data: dict, message: str) -> None:
@@ -205,6 +263,7 @@ def test_a_baseline_is_drawn_on_its_metric_only() -> None:
                 )
                 for i, v in enumerate([0.2, 0.3])
             ],
+            [0, 1],
         )
     ]
     (reward,) = [m for m in METRICS if m.key == "val/reward"]
