@@ -12,16 +12,28 @@ and merges then turn them into samples (``experiments.agentic.structure.structur
 - ``short`` rewrites older results to their titles and ``window`` drops older turns:
   both rewrite a prompt the model has already seen, so prefix and stitch split there,
   and only tree keeps one sample.
+
+``--kinds task`` asks the task's own questions (``conf/task/search.yaml``: one hop, two
+calls a searched rollout), as the studies run it; the default mix adds two-hop ones.
+The scripted player writes no invalid reply, so the table shows the harness's breaks
+that sampling causes by retokenising alone (the merge comparison,
+``conf/study/merges.yaml``, needs those).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from agl.core.contracts.samples import ModelCall
+from agl.strategies.dedup import dedup
+from agl.strategies.merge.stitch import stitch
+from agl.strategies.merge_metrics import merge_metrics
 from experiments.agentic.structure import COLUMNS, merge_rows, text_table, tiny_tokenizer
 from experiments.agentic.warmup import encode_reply, prompt_ids
+from experiments.guess.baselines import task_options
 from experiments.guess.warmup import DropoutBPE
 from experiments.search.facts import train_inputs
 from experiments.search.harness import HISTORIES, Options
@@ -29,17 +41,32 @@ from experiments.search.retriever import Index, load_corpus
 from experiments.search.warmup import calls_of, plan
 
 KINDS = {"capital": 1.0, "country": 1.0, "two_hop": 1.0}
+TASK_CONFIG = Path(__file__).resolve().parents[2] / "conf" / "task" / "search.yaml"
+
+
+def task_kinds() -> dict[str, float]:
+    """The question kinds the task asks (``conf/task/search.yaml``'s ``options.kinds``)."""
+    kinds = task_options(TASK_CONFIG).get("kinds")
+    if not isinstance(kinds, Mapping):
+        raise ValueError(f"{TASK_CONFIG}: options.kinds is no mapping of kind to weight")
+    return {str(k): float(v) for k, v in kinds.items()}
 
 
 def rollouts(
-    history: str, n: int, seed: int, dropout: float, index: Index, topk: int = 1
+    history: str,
+    n: int,
+    seed: int,
+    dropout: float,
+    index: Index,
+    topk: int = 1,
+    kinds: Mapping[str, float] = KINDS,
 ) -> list[list[ModelCall]]:
-    """``n`` searched questions (a third two-hop: three calls), as calls."""
+    """``n`` searched questions of ``kinds`` (a two-hop one: three calls), as calls."""
     tokenizer = tiny_tokenizer()
     segment = DropoutBPE(tokenizer, dropout, random.Random(f"search-structure-bpe:{seed}"))
     options = Options(topk=topk, history=history, prompt="short")
     out = []
-    for q in train_inputs(0, n, seed=seed, kinds=KINDS):
+    for q in train_inputs(0, n, seed=seed, kinds=kinds):
         out.append(
             [
                 ModelCall(
@@ -53,14 +80,36 @@ def rollouts(
     return out
 
 
-def report(n: int, seed: int, dropout: float) -> str:
+def stitched_share(calls: Sequence[list[ModelCall]]) -> float:
+    """The share of calls that stitch trains under a prompt it changed (its
+    ``merge/stitched_calls``): the breaks it mends, which the other merges leave alone."""
+    decode = tiny_tokenizer().decode
+    kept = [dedup(c) for c in calls]
+    merged = [stitch(c, f"r{i}", "g", decode=decode) for i, c in enumerate(kept)]
+    return merge_metrics(merged, sum(map(len, kept)))["merge/stitched_calls"]
+
+
+def report(
+    n: int,
+    seed: int,
+    dropouts: Sequence[float],
+    histories: Sequence[str] = HISTORIES,
+    kinds: Mapping[str, float] = KINDS,
+) -> str:
     index = Index(load_corpus("geonames"))
-    rows = [["history", *COLUMNS]]
-    for history in HISTORIES:
-        rows += merge_rows(history, rollouts(history, n, seed, dropout, index))
+    rows = [["history", "dropout", *COLUMNS, "stitched"]]
+    for history in histories:
+        for dropout in dropouts:
+            calls = rollouts(history, n, seed, dropout, index, kinds=kinds)
+            stitched = f"{stitched_share(calls):.1%}"
+            for row in merge_rows(history, calls):
+                rows.append(
+                    [row[0], f"{dropout:g}", *row[1:], stitched if row[1] == "stitch" else "-"]
+                )
+    mix = ", ".join(f"{k} {v:g}" for k, v in kinds.items())
     return (
-        f"{n} searched questions per history (a third two-hop; seed {seed}, "
-        f"BPE-dropout {dropout})\n" + text_table(rows)
+        f"{n} searched questions per row (kinds: {mix}; seed {seed}; dropout: "
+        "the replies' BPE-dropout)\n" + text_table(rows)
     )
 
 
@@ -68,9 +117,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.search.structure")
     parser.add_argument("--n", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--dropout", type=float, nargs="+", default=[0.0])
+    parser.add_argument("--history", choices=HISTORIES, nargs="+", default=list(HISTORIES))
+    parser.add_argument(
+        "--kinds",
+        choices=("mixed", "task"),
+        default="mixed",
+        help="mixed: a third two-hop questions; task: conf/task/search.yaml's kinds",
+    )
     args = parser.parse_args()
-    print(report(args.n, args.seed, args.dropout))
+    kinds = task_kinds() if args.kinds == "task" else KINDS
+    print(report(args.n, args.seed, args.dropout, args.history, kinds))
 
 
 if __name__ == "__main__":
