@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import json
 import random
+from fractions import Fraction
 
 import pytest
 
@@ -200,3 +201,18 @@ def test_the_studys_baselines_are_the_games_exact_blind_optimum() -> None:
         assert baseline.value == pytest.approx(float(exact), abs=5e-5), baseline
         # Reading the feedback is worth something: the optimum is above the baseline.
         assert optimal_reward(setting) > exact
+
+
+def test_figure9s_baseline_is_the_long_games_exact_blind_bound() -> None:
+    """Under uniform targets a blind player wins at most one target per distinct guess:
+    max_turns / size (checked exactly on a small game), so conf/study/figure9.yaml's 5/32
+    is the bound for conf/task/agentic_long.yaml; binary search's 31/32 is the optimum."""
+    small = Setting.of(1, 6, 3, None)
+    assert best_blind(small)[0] == Fraction(3, 6)
+    options = task_options(TASK_CONFIG.with_name("agentic_long.yaml"))
+    assert options["target_weights"] is None
+    low, high, turns = int(options["low"]), int(options["high"]), int(options["max_turns"])
+    (baseline,) = load_study("figure9").baselines
+    assert baseline.metric == "val/reward"
+    assert baseline.value == float(Fraction(turns, high - low + 1)) == 5 / 32
+    assert optimal_reward(Setting.of(low, high, turns, None)) == Fraction(31, 32)
