@@ -6,10 +6,17 @@ exact match (or token F1) of the answer against the gold answers (``answers.py``
 One model call per turn, up to ``max_turns``. Search-R1 appends the results to one growing
 generation; through a chat proxy each turn is an assistant message (the model's search)
 and a user message (the results), so every call's prompt holds the earlier ones. The
-stop strings ``</search>`` and ``</answer>`` end a call; the engines return the text
-without the stop string, so the harness puts it back before the reply goes into the
-history (without that, every later prompt would drift from what was sampled). A reply
-with neither tag gets Search-R1's "invalid action" message and costs its turn.
+stop strings ``</search>`` and ``</answer>`` end a call. The harness asks for the text
+with its stop string (``AS_SAMPLED``) and puts it into the history unchanged, so every
+later prompt extends the tokens sampled before it, unless the template's text tokenizes
+otherwise (retokenisation, which stitch mends). Special tokens stay skipped: a reply that
+ended on the end-of-turn token does not hold it, and the chat template writes it after
+the reply, as sampled (kept in the text, it would appear twice). The price is the rare
+reply with a special token inside it (0.2% of rollouts for the warmed tiny model): its
+text leaves the token out, and the next prompt breaks there. A reply with no closed tag
+(a stop string with no opening one, a bare ``<search>`` ended by end-of-turn) is a
+format error as written: it gets Search-R1's "invalid action" message and costs its
+turn; no tag is added.
 
 ``history`` is how the harness shows the conversation to the next call, as real harnesses
 rewrite their own context:
@@ -68,11 +75,14 @@ INVALID = (
     "between <answer> and </answer>. Let me try again."
 )
 HISTORIES = ("full", "short", "window")
+# The text with the stop string it ended on (vLLM's default cuts it); the proxy records
+# this rule with each call and the trainer checks the ids under it.
+AS_SAMPLED = {"include_stop_str_in_output": True}
 
 Message = dict[str, Any]
 Hit = dict[str, Any]
-# (messages, max_tokens) -> (text, finish_reason)
-Ask = Callable[[list[Message], int], Awaitable[tuple[str, str | None]]]
+# (messages, max_tokens) -> the reply's text as sampled, its stop string included
+Ask = Callable[[list[Message], int], Awaitable[str]]
 Retrieve = Callable[[str, int], Awaitable[list[Hit]]]
 
 
@@ -129,17 +139,6 @@ class Question:
         if not isinstance(answers, Sequence) or not answers:
             raise SearchInputError("an input needs 'answers': a string or a list of them")
         return cls(text.strip(), tuple(str(a) for a in answers))
-
-
-def restore_stop(text: str, finish_reason: str | None) -> str:
-    """The reply as sampled: a call that stopped inside an open tag ended on its closing
-    stop string, which the engine left out of the text."""
-    if finish_reason != "stop":
-        return text
-    for opening, closing in (("<answer>", ANSWER_END), ("<search>", SEARCH_END)):
-        if text.rfind(opening) > text.rfind(closing):
-            return text + closing
-    return text
 
 
 def read_action(text: str) -> tuple[str, str] | None:
@@ -217,8 +216,7 @@ async def play(question: Question, options: Options, ask: Ask, retrieve: Retriev
     answer: str | None = None
     invalid = 0
     for _ in range(options.max_turns):
-        text, finish_reason = await ask(context(opening, turns, options), options.max_tokens)
-        reply = restore_stop(text, finish_reason)
+        reply = await ask(context(opening, turns, options), options.max_tokens)
         action = read_action(reply)
         if action is None:
             invalid += 1
@@ -249,7 +247,7 @@ async def play(question: Question, options: Options, ask: Ask, retrieve: Retriev
 
 
 def openai_ask(client: openai.AsyncOpenAI, model: str, options: Options) -> Ask:
-    async def ask(messages: list[Message], max_tokens: int) -> tuple[str, str | None]:
+    async def ask(messages: list[Message], max_tokens: int) -> str:
         completion = await client.chat.completions.create(
             model=model,
             messages=messages,  # type: ignore[arg-type]
@@ -257,9 +255,9 @@ def openai_ask(client: openai.AsyncOpenAI, model: str, options: Options) -> Ask:
             top_p=options.top_p,
             max_tokens=max_tokens,
             stop=list(STOPS),
+            extra_body=AS_SAMPLED,
         )
-        choice = completion.choices[0]
-        return choice.message.content or "", choice.finish_reason
+        return completion.choices[0].message.content or ""
 
     return ask
 

@@ -49,7 +49,7 @@ class Greedy:
     def __init__(self, model: Any, tokenizer: Any, force: bool) -> None:
         self.model, self.tokenizer, self.force = model, tokenizer, force
 
-    async def __call__(self, messages: list[Message], max_tokens: int) -> tuple[str, str | None]:
+    async def __call__(self, messages: list[Message], max_tokens: int) -> str:
         ids = prompt_ids(self.tokenizer, messages)
         prefix = ""
         if self.force:
@@ -63,10 +63,10 @@ class Greedy:
                 pad_token_id=self.tokenizer.pad_token_id,
             )
         text = prefix + self.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
-        for stop in STOPS:
+        for stop in STOPS:  # kept in the reply, as the harness asks the engines
             if stop in text:
-                return text[: text.index(stop)], "stop"
-        return text, "length"
+                return text[: text.index(stop) + len(stop)]
+        return text
 
 
 def measure(

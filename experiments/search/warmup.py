@@ -96,10 +96,10 @@ def calls_of(
     script = iter(replies)
     calls: list[tuple[list[Message], str]] = []
 
-    async def ask(messages: list[Message], max_tokens: int) -> tuple[str, str | None]:
+    async def ask(messages: list[Message], max_tokens: int) -> str:
         reply = next(script)
         calls.append((messages, reply))
-        return reply, "length"  # the reply is whole: nothing to put back
+        return reply
 
     async def retrieve(query: str, topk: int) -> list[Hit]:
         return index.search([query], topk)[0]

@@ -4,6 +4,7 @@ the harness's protocol against the real index."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 import subprocess
 import sys
@@ -31,7 +32,6 @@ from experiments.search.harness import (
     context,
     play,
     read_action,
-    restore_stop,
 )
 from experiments.search.retriever import Index, load_corpus
 
@@ -58,12 +58,11 @@ def test_validation_asks_only_about_held_out_countries() -> None:
         assert q["answers"][0] not in held or q["answers"][0] in capitals
 
 
-def test_stop_strings_are_put_back() -> None:
-    assert restore_stop("<search> France ", "stop") == "<search> France </search>"
-    assert restore_stop("<answer> Paris ", "stop") == "<answer> Paris </answer>"
-    assert restore_stop("<search> Fra", "length") == "<search> Fra"
+def test_the_action_is_the_first_closed_tag() -> None:
     assert read_action("<search> a </search><answer> b </answer>") == ("search", "a")
     assert read_action("no tags") is None
+    assert read_action("France </search>") is None  # a stop string with no opening tag
+    assert read_action("<search> France<|im_end|>") is None  # ended by end-of-turn
 
 
 def test_history_options_rewrite_older_results() -> None:
@@ -84,9 +83,7 @@ def test_history_options_rewrite_older_results() -> None:
 
 def test_a_search_then_an_answer_scores_through_the_real_index() -> None:
     index = Index(load_corpus("geonames"))
-    replies = iter(
-        [("thinking", "stop"), ("<search> France ", "stop"), ("<answer> Paris ", "stop")]
-    )
+    replies = iter(["thinking</search>", "<search> France </search>", "<answer> Paris </answer>"])
     prompts = []
 
     async def ask(messages, max_tokens):
@@ -103,6 +100,63 @@ def test_a_search_then_an_answer_scores_through_the_real_index() -> None:
     assert prompts[1][-1]["content"] == INVALID
     assert "Its capital is Paris." in prompts[2][-1]["content"]
     assert prompts[2][-2]["content"] == "<search> France </search>"
+
+
+def test_replies_go_into_the_history_as_sampled_so_prefix_keeps_one_sample() -> None:
+    """Replies as the engines return them under the harness's text rule (the stop string
+    kept, special tokens skipped): each goes into the next prompt unchanged, a stop string
+    with no opening tag and a bare ``<search>`` ended by end-of-turn included (format
+    errors, no tag added), so every prompt extends the tokens sampled before it, prefix
+    merges the rollout into one sample and the trainer reads each call as whole."""
+    from agl.backends.inference.models import load_model
+    from agl.core.config_groups import text_decode
+    from agl.core.contracts.samples import ModelCall
+    from agl.core.contracts.text_rule import requested_text_rule, text_rule_record
+    from agl.core.trainer.calls import output_transformed, text_mismatch
+    from agl.strategies.dedup import dedup
+    from agl.strategies.registry import get
+    from experiments.agentic.warmup import prompt_ids
+    from experiments.search.harness import AS_SAMPLED, STOPS
+
+    tokenizer = load_model("tiny").tokenizer
+    decode = text_decode(tokenizer)
+    index = Index(load_corpus("geonames"))
+    # (the text returned, the tokens sampled): end-of-turn is sampled, not returned
+    replies = [
+        ("Lyon</search>", "Lyon</search>"),  # stopped on </search> with no <search>
+        ("<search> Lyon\n", "<search> Lyon\n<|im_end|>"),  # a bare <search>, end-of-turn
+        ("<search> Lyon </search>", "<search> Lyon </search>"),
+        ("<answer> France </answer>", "<answer> France </answer>"),
+    ]
+    sampled = [text for text, _ in replies]
+    script, prompts = iter(sampled), []
+
+    async def ask(messages, max_tokens):
+        prompts.append([dict(m) for m in messages])
+        return next(script)
+
+    async def retrieve(query, topk):
+        return index.search([query], topk)[0]
+
+    question = Question("In which country is Lyon?", ("France",))
+    episode = asyncio.run(play(question, Options(topk=1, prompt="short"), ask, retrieve))
+    assert (episode.reward, episode.invalid, episode.searches) == (1.0, 2, ["Lyon"])
+    for i, reply in enumerate(sampled[:-1]):
+        assert prompts[i + 1][-2] == {"role": "assistant", "content": reply}
+    rule = text_rule_record(requested_text_rule(AS_SAMPLED))
+    calls = []
+    for messages, (reply, tokens) in zip(prompts, replies, strict=True):
+        ids = tokenizer.encode(tokens, add_special_tokens=False)
+        calls.append(ModelCall(prompt_ids(tokenizer, messages), ids, [0.0] * len(ids)))
+        data = {"response": reply, "response_ids": ids, "finish_reason": "stop"}
+        data |= {"text_rule": rule, "prompt_ids": calls[-1].prompt_ids}
+        stop = [s for s in STOPS if reply.endswith(s)]  # what the engine reports it hit
+        data |= {"stop_reason": stop[0]} if stop else {}
+        assert not text_mismatch(data, decode) and not output_transformed(data, decode.special_ids)
+    for before, after in itertools.pairwise(calls):
+        sample = [*before.prompt_ids, *before.response_ids]
+        assert after.prompt_ids[: len(sample)] == sample
+    assert len(get("merge", "prefix")(dedup(calls), "r", "g")) == 1
 
 
 def test_the_retriever_service_speaks_search_r1s_api(tmp_path: Path) -> None:
@@ -330,7 +384,7 @@ def test_every_fixture_question_is_answered_through_its_flashrag_corpus() -> Non
         script = iter(replies)
 
         async def ask(messages, max_tokens):
-            return next(script), "stop"
+            return next(script)
 
         async def retrieve(query, topk):
             hits = index.search([query], topk)[0]
@@ -343,7 +397,9 @@ def test_every_fixture_question_is_answered_through_its_flashrag_corpus() -> Non
         searches = [*hops.get(x["question"], []), x["question"]]
         seen: list[str] = []
         ask, retrieve = scripted(
-            [f"<search> {s} " for s in searches] + [f"<answer> {x['answers'][0]} "], seen
+            [f"<search> {s} </search>" for s in searches]
+            + [f"<answer> {x['answers'][0]} </answer>"],
+            seen,
         )
         episode = asyncio.run(play(Question.from_input(x), Options.from_input(x), ask, retrieve))
         assert episode.reward == 1.0
