@@ -18,9 +18,10 @@ import pytest
 import yaml
 from scipy import stats as scipy_stats
 
+from agl.core.user_error import UserError
 from agl.study import stats
 from agl.study.__main__ import main
-from agl.study.report import comparisons, load_settings, summary
+from agl.study.report import bounded_interval, comparisons, load_settings, summary
 from agl.study.runner import DONE_FILE, run_folder
 from agl.study.spec import load_study
 
@@ -306,3 +307,19 @@ def test_tree_s_structural_differences_are_labelled_by_construction() -> None:
         if x.startswith("- `tree` minus `rollout+rollout_mean`, samples per rollout")
     ]
     assert line.endswith("by construction (what `tree` is makes it so): not tested.")
+
+
+def test_a_default_bound_a_users_figures_break_is_not_applied() -> None:
+    """The default metrics' bounds are what agl's own tasks give (a reward in [0, 1]); a
+    user's task that rewards -1 gets its interval unclipped, not an error. Bounds a study
+    declares for its endpoints stay strict."""
+    values = [-1.0, 0.5, 1.0]
+    shown = bounded_interval(values, (0.0, 1.0), "val/reward")
+    assert (shown.low, shown.high, shown.clipped) == (
+        stats.interval(values).low,
+        stats.interval(values).high,
+        (),
+    )
+    assert bounded_interval([0.9, 1.0, 0.95], (0.0, 1.0), "val/reward").clipped == (1.0,)
+    with pytest.raises(UserError, match=r"value -1\.0 lies outside its bounds"):
+        bounded_interval(values, (0.0, 1.0), "endpoint 'x'", strict=True)
