@@ -139,8 +139,11 @@ class Study:
 
     def runs(self) -> list[tuple[str, int]]:
         """(setting, seed) in the order they run: seed by seed, so that a study stopped
-        half way has every setting at the seeds it finished."""
-        return [(setting, seed) for seed in self.seeds for setting in self.settings]
+        half way has every setting at the seeds it finished, and the reference first in
+        each seed, so that a seed stopped half way still pairs what it ran."""
+        first = [self.reference] if self.reference is not None else []
+        order = first + [s for s in self.settings if s != self.reference]
+        return [(setting, seed) for seed in self.seeds for setting in order]
 
 
 def _strings(value: Any, what: str) -> list[str]:

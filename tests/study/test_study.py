@@ -276,3 +276,12 @@ def test_a_baseline_is_drawn_on_its_metric_only() -> None:
     ]
     entropy = StudyMetric("train/entropy", "entropy", "{:.3f}")
     assert chart(entropy, settings, [baseline]) is None  # no run logged it
+
+
+def test_runs_go_seed_by_seed_with_the_reference_first() -> None:
+    study = parse_study({"seeds": [3, 1], "settings": {"a": [], "ref": [], "b": []}}, "s")
+    assert [s for s, _ in study.runs()] == ["a", "ref", "b"] * 2
+    study = parse_study(
+        {"seeds": [3, 1], "settings": {"a": [], "ref": [], "b": []}, "reference": "ref"}, "s"
+    )
+    assert study.runs() == [("ref", 3), ("a", 3), ("b", 3), ("ref", 1), ("a", 1), ("b", 1)]
