@@ -30,7 +30,9 @@ def push(weights: Sequence[Sequence[float]], advantages: Sequence[float]) -> dic
     - ``net_push`` = Σ w·A / Σ |w·A|, in [-1, 1]: -1 when only negative advantages carry
       weight, 0 when positive and negative pushes balance. It is 0 when nothing is pushed.
     - ``negative_weight`` = Σ w over the tokens of samples with A < 0, over Σ w: the share
-      of the loss's weight that failures carry. It is 0 when no token weighs anything.
+      of the loss's weight pushed down. Tokens with A = 0 (a group with no signal) count
+      in Σ w, so it is less than the weight on failed rollouts wherever a whole group
+      failed. It is 0 when no token weighs anything.
 
     The weights are those of one normalisation over the whole batch (a backend that cuts a
     step into several optimizer mini-batches normalises each on its own)."""

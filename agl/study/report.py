@@ -201,8 +201,8 @@ class Comparison:
     """``setting`` minus ``reference`` on ``endpoint``, seed by seed over the seeds both
     finished (``values[i]`` and ``reference_values[i]`` at ``seeds[i]``). ``kind``:
     ``tested`` (one of the ``family`` comparisons Holm adjusts together), ``by
-    construction``, or ``not tested`` (the endpoint says ``test: false``, or fewer than 2
-    pairs)."""
+    construction``, ``no variation`` (every run of both gave the same figure), or ``not
+    tested`` (the endpoint says ``test: false``, or fewer than 2 pairs)."""
 
     endpoint: Endpoint
     setting: str
@@ -260,13 +260,17 @@ def comparisons(study: Study, settings: Sequence[Setting]) -> list[Comparison]:
             seeds = [seed for seed in s.seeds if seed in values and seed in base]
             if not seeds:
                 continue
+            pairs = [values[seed] for seed in seeds], [base[seed] for seed in seeds]
             if made:
                 kind = "by construction"
+            elif len(set(pairs[0] + pairs[1])) == 1:
+                # Every run gives the same figure (stitched calls 0 under merges that never
+                # stitch): no test can say anything, and counting it would tighten Holm.
+                kind = "no variation"
             elif endpoint.test and len(seeds) >= 2:
                 kind = "tested"
             else:
                 kind = "not tested"
-            pairs = [values[seed] for seed in seeds], [base[seed] for seed in seeds]
             drafts.append(Comparison(endpoint, s.name, reference, seeds, *pairs, kind))
     family = sum(c.kind == "tested" for c in drafts)
     # Holm's first step tests the smallest p at ALPHA / family: the strictest level any
@@ -365,6 +369,8 @@ def comparison_line(c: Comparison) -> str:
     head += f" over {pairs}"
     if c.kind == "by construction":
         return f"{head}: by construction (what `{c.setting}` is makes it so): not tested."
+    if c.kind == "no variation":
+        return f"{head}: not tested (every run of both gave this same figure)."
     if c.p is None or c.adjusted_p is None or c.detectable is None:
         why = "a paired test needs 2 pairs" if ci.n < 2 else "the endpoint says test: false"
         return f"{head}: not tested ({why})."

@@ -235,13 +235,15 @@ COLUMNS = [
 
 def table(rows: Sequence[Row]) -> list[list[str]]:
     """The head, then one row per measurement; ``x today's``: the long task's net push
-    over today's for the same player and setting (- where today's is 0)."""
+    over today's for the same player and setting (- where either is near 0: a ratio
+    with a push that balances says nothing)."""
     today = {(r.player, r.setting): r.weighing.net_push for r in rows if r.task == "today"}
     out = [COLUMNS]
     for r in rows:
         w = r.weighing
         base = today.get((r.player, r.setting), 0.0)
-        times = f"{w.net_push / base:.1f}x" if r.task != "today" and abs(base) > 1e-9 else "-"
+        pushes = r.task != "today" and min(abs(base), abs(w.net_push)) >= 0.01
+        times = f"{w.net_push / base:.1f}x" if pushes else "-"
         out.append(
             [
                 r.task,

@@ -22,6 +22,7 @@ from agl.study.report import (
     Setting,
     StudyMetric,
     chart,
+    comparison_line,
     comparisons,
     coverage_line,
     learning_lines,
@@ -120,6 +121,17 @@ def test_comparing_settings_without_noise() -> None:
     (c,) = [c for c in found if c.endpoint.metric == "val/reward"]
     assert c.difference.mean == pytest.approx(0.125) and c.supported and c.p == 0.0
     assert c.detectable == 0.0  # the pairs do not vary: any difference shows
+
+
+def test_a_figure_every_run_shares_is_not_tested() -> None:
+    """Stitched calls 0 in every run of both settings: nothing to test, and left out of
+    Holm's family, so that it does not tighten the level of the comparisons that vary."""
+    study = parse_study({"settings": {"a": [], "b": []}, "reference": "a"}, "s")
+    found = comparisons(study, [_setting("a", [0.0, 0.0]), _setting("b", [0.0, 0.0])])
+    (c,) = [c for c in found if c.endpoint.metric == "val/reward"]
+    assert c.kind == "no variation" and c.p is None and c.adjusted_p is None
+    assert all(x.family == 0 for x in found)
+    assert comparison_line(c).endswith("not tested (every run of both gave this same figure).")
 
 
 def test_what_training_added_is_paired_by_seed() -> None:

