@@ -201,8 +201,9 @@ class Comparison:
     """``setting`` minus ``reference`` on ``endpoint``, seed by seed over the seeds both
     finished (``values[i]`` and ``reference_values[i]`` at ``seeds[i]``). ``kind``:
     ``tested`` (one of the ``family`` comparisons Holm adjusts together), ``by
-    construction``, ``no variation`` (every run of both gave the same figure), or ``not
-    tested`` (the endpoint says ``test: false``, or fewer than 2 pairs)."""
+    construction``, ``no variation`` (every run of both gave the same figure), ``no
+    spread`` (every seed differs by the same amount), or ``not tested`` (the endpoint
+    says ``test: false``, or fewer than 2 pairs)."""
 
     endpoint: Endpoint
     setting: str
@@ -267,10 +268,14 @@ def comparisons(study: Study, settings: Sequence[Setting]) -> list[Comparison]:
                 # Every run gives the same figure (stitched calls 0 under merges that never
                 # stitch): no test can say anything, and counting it would tighten Holm.
                 kind = "no variation"
-            elif endpoint.test and len(seeds) >= 2:
-                kind = "tested"
-            else:
+            elif not endpoint.test or len(seeds) < 2:
                 kind = "not tested"
+            elif len({a - b for a, b in zip(*pairs, strict=True)}) == 1:
+                # Equal per-seed differences leave a t-test no spread to judge them by; with
+                # figures on a grid (a reward over 128 games) that happens by chance.
+                kind = "no spread"
+            else:
+                kind = "tested"
             drafts.append(Comparison(endpoint, s.name, reference, seeds, *pairs, kind))
     family = sum(c.kind == "tested" for c in drafts)
     # Holm's first step tests the smallest p at ALPHA / family: the strictest level any
@@ -371,14 +376,23 @@ def comparison_line(c: Comparison) -> str:
         return f"{head}: by construction (what `{c.setting}` is makes it so): not tested."
     if c.kind == "no variation":
         return f"{head}: not tested (every run of both gave this same figure)."
+    if c.kind == "no spread":
+        return (
+            f"{head}: not tested (every seed differs by the same amount, which leaves a "
+            "t-test no spread to judge it by; more seeds would)."
+        )
     if c.p is None or c.adjusted_p is None or c.detectable is None:
         why = "a paired test needs 2 pairs" if ci.n < 2 else "the endpoint says test: false"
         return f"{head}: not tested ({why})."
     head += f", paired p = {c.p:.3g}, Holm p = {c.adjusted_p:.3g}"
-    if c.detectable == 0:
-        verdict = "**supported**" if c.supported else "not supported"
-        return f"{head}: {verdict}; the per-seed differences do not vary: any difference shows."
     detectable = f"{c.detectable:.{_decimals(c.detectable)}f}{unit}"
+    low, high = c.endpoint.bounds
+    if not c.supported and low is not None and high is not None and c.detectable >= high - low:
+        return (
+            f"{head}: not supported; with these seeds no difference within the figure's "
+            f"range [{low:g}, {high:g}] would likely have shown ({stats.POWER:.0%} power: "
+            f"{detectable})."
+        )
     if c.supported:
         return (
             f"{head}: **supported**. With {len(c.seeds)} paired seeds a difference of "

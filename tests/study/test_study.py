@@ -119,8 +119,11 @@ def test_comparing_settings_without_noise() -> None:
     study = parse_study({"settings": {"a": [], "b": []}, "reference": "a"}, "s")
     found = comparisons(study, [_setting("a", [0.5, 0.5]), _setting("b", [0.625, 0.625])])
     (c,) = [c for c in found if c.endpoint.metric == "val/reward"]
-    assert c.difference.mean == pytest.approx(0.125) and c.supported and c.p == 0.0
-    assert c.detectable == 0.0  # the pairs do not vary: any difference shows
+    # Every seed 0.125 apart: no spread for a t-test to judge by (rewards on a grid of
+    # 1/128 do this by chance), so it is said and not tested, rather than p = 0.
+    assert c.difference.mean == pytest.approx(0.125) and c.kind == "no spread"
+    assert c.p is None and not c.supported
+    assert "not tested (every seed differs by the same amount" in comparison_line(c)
 
 
 def test_a_figure_every_run_shares_is_not_tested() -> None:
@@ -297,3 +300,13 @@ def test_runs_go_seed_by_seed_with_the_reference_first() -> None:
         {"seeds": [3, 1], "settings": {"a": [], "ref": [], "b": []}, "reference": "ref"}, "s"
     )
     assert study.runs() == [("ref", 3), ("a", 3), ("b", 3), ("ref", 1), ("a", 1), ("b", 1)]
+
+
+def test_a_detectable_difference_past_the_figures_range_is_said_so() -> None:
+    study = parse_study({"settings": {"a": [], "b": []}, "reference": "a"}, "s")
+    found = comparisons(study, [_setting("a", [0.2, 0.9]), _setting("b", [0.3, 0.5])])
+    (c,) = [c for c in found if c.endpoint.metric == "val/reward"]
+    assert c.kind == "tested" and c.detectable is not None and c.detectable > 1
+    assert "no difference within the figure's range [0, 1] would likely have shown" in (
+        comparison_line(c)
+    )
