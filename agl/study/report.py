@@ -296,6 +296,11 @@ def comparisons(study: Study, settings: Sequence[Setting]) -> list[Comparison]:
     return [c if c.p is None else dataclasses.replace(c, adjusted_p=next(adjusted)) for c in found]
 
 
+# Every seed gave the same figure: its interval is a point and a t-test's p is 0 or 1,
+# whatever the truth (figures on a grid, a reward over 128 games, meet by chance).
+NO_SPREAD = "no claim: every seed gave the same figure, which leaves no spread to judge it by"
+
+
 def baseline_lines(settings: Sequence[Setting], baselines: Sequence[Baseline]) -> list[str]:
     lines = []
     for baseline in baselines:
@@ -308,6 +313,8 @@ def baseline_lines(settings: Sequence[Setting], baselines: Sequence[Baseline]) -
             margin = ci.mean - baseline.value
             if ci.n < 2:
                 verdict = "one seed: no interval, no claim"
+            elif len(set(values)) == 1:
+                verdict = NO_SPREAD
             elif ci.low > baseline.value:
                 p = stats.one_sample(values, baseline.value)
                 verdict = f"**beats it**: the whole interval lies above (p = {p:.3g})"
@@ -337,6 +344,8 @@ def learning_lines(settings: Sequence[Setting], key: str = LEARNED) -> list[str]
         ci = stats.interval(gains)
         if ci.n < 2:
             verdict = "one seed: no interval, no claim"
+        elif len(set(gains)) == 1:
+            verdict = NO_SPREAD
         elif ci.low > 0:
             p = stats.one_sample(gains, 0.0)
             verdict = f"**learned**: the whole interval lies above 0 (p = {p:.3g})"

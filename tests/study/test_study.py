@@ -21,6 +21,7 @@ from agl.study.report import (
     METRICS,
     Setting,
     StudyMetric,
+    baseline_lines,
     chart,
     comparison_line,
     comparisons,
@@ -155,16 +156,32 @@ def test_what_training_added_is_paired_by_seed() -> None:
             list(range(len(pairs))),
         )
 
-    clear, noise, lone = learning_lines(
+    clear, noise, lone, grid = learning_lines(
         [
             runs("clear", [(0.1, 0.3), (0.5, 0.7), (0.3, 0.51)]),
             runs("noise", [(0.5, 0.6), (0.5, 0.4), (0.5, 0.52)]),
             runs("lone", [(0.1, 0.9)]),
+            # every seed gained 1/8 exactly: a point, not evidence (p would be 0)
+            runs("grid", [(0.25, 0.375), (0.5, 0.625), (0.125, 0.25)]),
         ]
     )
     assert "**learned**" in clear and "at step 0" in clear and "at step 5" in clear
     assert "not supported" in noise
     assert "one seed" in lone
+    assert "no claim" in grid and "same figure" in grid and "**learned**" not in grid
+
+
+def test_a_baseline_beaten_by_the_same_figure_in_every_seed_is_not_claimed() -> None:
+    rewards = [0.5, 0.5, 0.5]
+    (line,) = baseline_lines(
+        [_setting("a", rewards)], [Baseline(metric="val/reward", value=0.25, name="blind")]
+    )
+    assert "no claim" in line and "**beats it**" not in line
+    (spread,) = baseline_lines(
+        [_setting("a", [0.5, 0.52, 0.48])],
+        [Baseline(metric="val/reward", value=0.25, name="blind")],
+    )
+    assert "**beats it**" in spread
 
 
 def test_a_study_under_way_says_which_runs_it_lacks() -> None:
