@@ -45,8 +45,9 @@ REPO = "repo"  # the checkout's folder in the workspace
 TRAJECTORY = "trajectory.json"
 LIMIT_EXIT = 3  # the harness's exit code when a command reached one of the jail's limits
 
-# mini-swe-agent unattended and offline: no global config folder of the user's, no price
-# list download, no retry of a failed call (the gateway's answer is the answer).
+# mini-swe-agent unattended and offline: no global config folder of the user's, no cost
+# to track, no retry of a failed call (the gateway's answer is the answer); and, for a
+# config that names a litellm model, no price list download.
 MSWEA_ENV = {
     "MSWEA_SILENT_STARTUP": "1",
     "MSWEA_COST_TRACKING": "ignore_errors",
@@ -113,14 +114,12 @@ def run(agent: AgentContext, workspace: Path) -> dict[str, Any]:
     for key, value in MSWEA_ENV.items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("MSWEA_GLOBAL_CONFIG_DIR", str(workspace / ".mswea"))
-    import litellm
     from minisweagent.agents import get_agent
     from minisweagent.config import get_config_from_spec
     from minisweagent.environments import get_environment
     from minisweagent.models import get_model
     from minisweagent.utils.serialize import recursive_merge
 
-    litellm.suppress_debug_info = True  # else a provider list is printed per unpriced call
     row = dict(agent.input)
     root = Path(row["mirror"])
     if not root.is_absolute():

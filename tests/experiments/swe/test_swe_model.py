@@ -1,0 +1,93 @@
+"""mini-swe-agent's text-based model at the attempt's proxy, without litellm
+(``experiments/swe/model.py``): through the real gateway to a scripted upstream, with
+mini-swe-agent's own parsing and format errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import yaml
+from minisweagent.exceptions import FormatError
+from minisweagent.models import get_model
+from minisweagent.models.openrouter_model import OpenRouterAPIError
+
+from agl.core.contracts.records import Rollout
+from agl.testing.fake_vllm import FakeVllm
+from agl.testing.processes import GatewayProcess
+from experiments.swe.harness import CONFIG
+from tests.conftest import base_url
+
+BLOCK = "THOUGHT: look first.\n\n```mswea_bash_command\ngrep -rn 'def take(' .\n```"
+
+
+def _model(url: str, key: str, **options: Any) -> Any:
+    """The model as the harness builds it: mini.yaml's model part, the attempt's values."""
+    config = yaml.safe_load(CONFIG.read_text())["model"]
+    config["model_kwargs"] |= {"api_base": url, "api_key": key, **options}
+    return get_model(config=config)
+
+
+def test_a_reply_reaches_the_agent_as_mini_parses_it(
+    gateway: GatewayProcess, fake: FakeVllm, running: Callable[..., Rollout]
+) -> None:
+    rollout = running()
+    fake.script = lambda messages: BLOCK
+    model = _model(base_url(gateway, rollout), rollout.attempt_key or "", temperature=0.5)
+    message = model.query([{"role": "user", "content": "fix the bug"}])
+    assert message["content"] == BLOCK
+    assert message["extra"]["actions"] == [{"command": "grep -rn 'def take(' ."}]
+    sent = fake.requests[-1]
+    assert sent["temperature"] == 0.5 and sent["messages"][-1]["content"] == "fix the bug"
+    # litellm's own options and OpenRouter's extras never reach the wire
+    assert not {"drop_params", "num_retries", "usage", "timeout"} & set(sent)
+
+
+def test_a_malformed_reply_is_minis_format_error(
+    gateway: GatewayProcess, fake: FakeVllm, running: Callable[..., Rollout]
+) -> None:
+    rollout = running()
+    fake.script = lambda messages: "I would grep for it."
+    model = _model(base_url(gateway, rollout), rollout.attempt_key or "")
+    with pytest.raises(FormatError) as raised:
+        model.query([{"role": "user", "content": "fix the bug"}])
+    # mini.yaml's format error text, which the agent sends back as the next user turn
+    assert "Reply with a short THOUGHT" in raised.value.messages[0]["content"]
+
+
+def test_a_refused_call_is_an_error_not_a_reply(
+    gateway: GatewayProcess, running: Callable[..., Rollout]
+) -> None:
+    rollout = running()
+    model = _model(base_url(gateway, rollout), "not-the-attempts-key")
+    with pytest.raises(OpenRouterAPIError, match="HTTP 401"):
+        model.query([{"role": "user", "content": "fix the bug"}])
+
+
+def test_without_the_proxys_address_it_says_so() -> None:
+    with pytest.raises(ValueError, match="api_base"):
+        get_model(
+            config={
+                "model_class": "experiments.swe.model.ProxyTextbasedModel",
+                "model_name": "openai/policy",
+            }
+        )
+
+
+def test_the_harness_imports_no_litellm() -> None:
+    code = (
+        "import sys, experiments.swe.harness as h, experiments.swe.model, "
+        "minisweagent.agents.default, minisweagent.environments;"
+        "print('litellm' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"MSWEA_SILENT_STARTUP": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.stdout.strip().splitlines()[-1] == "False"
