@@ -131,7 +131,10 @@ async def serve(config: ControllerConfig, token: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_or_exit(
-        ControllerConfig, sys.argv[1:] if argv is None else argv, "agl.controller"
+        ControllerConfig,
+        sys.argv[1:] if argv is None else argv,
+        "agl.controller",
+        about=__doc__ or "",
     )
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

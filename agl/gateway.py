@@ -28,7 +28,9 @@ log = logging.getLogger("agl.gateway")
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_or_exit(GatewayConfig, sys.argv[1:] if argv is None else argv, "agl.gateway")
+    config = parse_or_exit(
+        GatewayConfig, sys.argv[1:] if argv is None else argv, "agl.gateway", about=__doc__ or ""
+    )
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -21,7 +21,6 @@ runs this server: its embedded server always requires the run's own key.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -79,12 +78,6 @@ class ServeConfig:
         return load_key(self.key_file)
 
 
-def usage() -> str:
-    """The module's docstring and each option with its default."""
-    options = " ".join(f"{f.name}={f.default}" for f in dataclasses.fields(ServeConfig))
-    return f"{__doc__}\nOptions (key=value), with their defaults:\n  {options}\n"
-
-
 def _threads(config: ServeConfig) -> int:
     if config.torch_threads > 0:
         return config.torch_threads
@@ -94,10 +87,7 @@ def _threads(config: ServeConfig) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    if {"-h", "--help"} & set(args):
-        sys.stdout.write(usage())
-        return
-    config = parse_or_exit(ServeConfig, args, "agl.serve")
+    config = parse_or_exit(ServeConfig, args, "agl.serve", about=__doc__ or "")
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

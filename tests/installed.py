@@ -65,6 +65,9 @@ def agl_unmet(extras: list[str]) -> list[str]:
         requirements += project["optional-dependencies"][extra]
     for requirement in requirements:
         missing += unmet(requirement)
+    # a console script added since the last install comes only with a new install
+    installed = {e.name for e in importlib.metadata.entry_points(group="console_scripts")}
+    missing += [f"agl's command {n!r}" for n in project.get("scripts", {}) if n not in installed]
     return missing
 
 

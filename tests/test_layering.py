@@ -56,6 +56,7 @@ SANDBOX_MAY_IMPORT = frozenset({"agl", "agl.core", "agl.core.processes"})
 SANDBOX_ENTRY = ROOT / "agl" / "sandbox" / "entry.py"
 ENTRY_POINTS = frozenset(
     {
+        "agl.cli",
         "agl.train",
         "agl.gateway",
         "agl.serve",

@@ -52,7 +52,29 @@ def _convert(key: str, raw: str, kind: Any) -> Any:
     return raw
 
 
-def parse_or_exit(config_type: type[C], argv: list[str], program: str) -> C:
+def usage(config_type: type[Any], about: str) -> str:
+    """``about`` (the command's docstring) and each option with its default."""
+    fields = dataclasses.fields(config_type)
+    width = max((len(f.name) for f in fields), default=0)
+    options = [f"  {f.name:<{width}}  {_default(f)}" for f in fields]
+    head = f"{about.strip()}\n\nOptions (key=value), with their defaults:\n"
+    return head + "\n".join(options) + "\n"
+
+
+def _default(field: dataclasses.Field[Any]) -> str:
+    if field.default is not dataclasses.MISSING:
+        return repr(field.default)
+    if field.default_factory is not dataclasses.MISSING:
+        return repr(field.default_factory())
+    return "(required)"
+
+
+def parse_or_exit(config_type: type[C], argv: list[str], program: str, about: str = "") -> C:
+    """The config ``argv`` asks for; ``-h``/``--help`` prints ``about`` and the options
+    and exits 0; a bad option exits 2 with one line."""
+    if {"-h", "--help"} & set(argv):
+        sys.stdout.write(usage(config_type, about or program))
+        raise SystemExit(0)
     try:
         return parse_overrides(config_type, argv)
     except UserError as error:
