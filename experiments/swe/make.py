@@ -45,6 +45,7 @@ from tqdm import tqdm
 from agl.core.user_error import UserError
 from agl.sandbox.uids import lease
 from experiments.swe import mirror
+from experiments.swe.docstrings import strip_files
 from experiments.swe.filters import Removed
 from experiments.swe.instances import Instance
 from experiments.swe.mutations import Mutation, mutations
@@ -201,8 +202,12 @@ def make_project(project: Project, root: Path, sdists: Path, options: MakeOption
     sdist = fetch_sdist(project, sdists)
     base = folder / mirror.BASE
     unpack(sdist, base)
+    release = sdist.read_bytes()
+    if project.strip_docstrings:
+        strip_files(base, project.source_files(base))
+        release += b"\0less its docstrings"  # a base of its own: another base_commit
     mirror.write_project(root, project)
-    base_commit = hashlib.sha1(sdist.read_bytes()).hexdigest()
+    base_commit = hashlib.sha1(release).hexdigest()
     with _slots(base, options.workers) as slots:
         references = _references(project, base, slots, options.workers)
         reference = references[0]

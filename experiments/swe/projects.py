@@ -35,6 +35,8 @@ class Project:
     pythonpath: tuple[str, ...]
     test_files: tuple[str, ...]  # globs an agent may not change
     pytest_args: tuple[str, ...]
+    # the base is the release less its sources' docstrings (experiments/swe/docstrings.py)
+    strip_docstrings: bool = False
 
     @property
     def repo(self) -> str:
@@ -94,6 +96,7 @@ def load_projects(path: Path = PROJECTS) -> dict[str, Project]:
                 sources=tuple(spec["sources"]),
                 tests=tuple(spec["tests"]),
                 pythonpath=tuple(spec.get("pythonpath") or (".",)),
+                strip_docstrings=bool(spec.get("strip_docstrings", False)),
                 **common,
             )
             for name, spec in data["projects"].items()

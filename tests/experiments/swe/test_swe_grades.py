@@ -10,6 +10,7 @@ import pytest
 
 from agl.sandbox.launch import unavailable
 from experiments.swe import mirror
+from experiments.swe.docstrings import strip
 from experiments.swe.grader import grade_checkout
 from experiments.swe.make import MakeOptions, make_project
 from experiments.swe.projects import load_projects
@@ -28,8 +29,13 @@ def test_an_honest_fix_earns_1_and_the_bug_0_on_every_project(tmp_path: Path, na
     options = MakeOptions(
         per_project=3, seed=0, timeout_s=20.0, empty_statements=0.0, missing_branches=0.0
     )
-    made = make_project(load_projects()[name], root, SDISTS, options)
+    project = load_projects()[name]
+    made = make_project(project, root, SDISTS, options)
     assert made.instances, made.removed
+    if project.strip_docstrings:  # the base the tasks are made on has none left
+        base = mirror.repo_folder(root, project.repo) / mirror.BASE
+        for source in project.source_files(base):
+            assert strip((base / source).read_text()) == (base / source).read_text(), source
     instance = made.instances[0]
     row = {
         "instance_id": instance.instance_id,
