@@ -150,6 +150,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         instances = read_instances([args.tasks])
         if not instances:
             raise UserError(f"{args.tasks}: no tasks")
+        held = mirror.branches(args.mirror)
+        orphans = [i.instance_id for i in instances if i.branch not in held.get(i.repo, [])]
+        if orphans:
+            raise UserError(
+                f"{len(orphans)} tasks have no branch in {args.mirror} (the pipeline's filter "
+                f"removes them), {orphans[0]} first"
+            )
         results = evaluate(instances, args.mirror.resolve(), family(), args.workers)
     except UserError as error:
         sys.stderr.write(f"experiments.swe.baselines: {error}\n")

@@ -15,6 +15,7 @@ from experiments.swe.baselines import (
     edited,
     evaluate,
     family,
+    main,
     named_test,
     table,
 )
@@ -131,3 +132,15 @@ def test_graded_no_edit_earns_0_and_an_edit_that_undoes_the_bug_earns_1(tmp_path
         policies[1]: [1.0],
         policies[2]: [0.0],
     }
+
+
+def test_a_task_without_its_branch_is_one_line(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "mirror"
+    (mirror.repo_folder(root, PROJECT.repo) / mirror.BASE).mkdir(parents=True)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(
+        '{"instance_id": "p.1.gone", "repo": "p.1", "FAIL_TO_PASS": ["t"], "PASS_TO_PASS": ["u"]}\n'
+    )
+    assert main(["--tasks", str(tasks), "--mirror", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "1 tasks have no branch" in err and "p.1.gone" in err
