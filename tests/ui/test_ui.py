@@ -43,7 +43,8 @@ _COUNT = re.compile(r'id="count">(\d+) rollouts?')
 
 @contextmanager
 def ui_client(gateway: GatewayProcess, login: bool = True) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+    # generous: a page that retokenizes a run takes its time on a starved machine
+    with httpx.Client(base_url=gateway.url, timeout=120) as client:
         if login:
             answer = client.post("/ui/login", data={"token": gateway.token, "next": "/ui"})
             assert answer.status_code == 303, answer.text

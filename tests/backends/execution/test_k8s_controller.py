@@ -505,7 +505,7 @@ def test_an_expired_watch_relists_and_misses_nothing(
             )
             async with controlling(gateway, ex) as (controller, client):
                 await client.create_rollouts(rollout_specs(inputs))
-                await until(lambda: len(node.started) == 4, 30)
+                await until(lambda: len(node.started) == 4, 120)
                 proxy.cut()
 
                 def all_done() -> bool:
@@ -521,15 +521,15 @@ def test_an_expired_watch_relists_and_misses_nothing(
                         and all((j.get("status") or {}).get("succeeded") for j in items)
                     )
 
-                await until(all_done, 30)
+                await until(all_done, 120)
                 assert controller.stats.exited_ok == 0, "the cut hid every completion"
                 await asyncio.to_thread(cluster.compact)
                 relists = ex.stats.relists
                 proxy.restore()
                 # The agents reported to the gateway; the Jobs' ends reach the controller
                 # only through the API server: it settles them and deletes the Jobs.
-                await until(lambda: controller.stats.exited_ok == 4, 30)
-                await until(lambda: not jobs(cluster, namespace), 30)
+                await until(lambda: controller.stats.exited_ok == 4, 120)
+                await until(lambda: not jobs(cluster, namespace), 120)
                 assert ex.stats.watch_expired >= 1 and ex.stats.relists > relists
                 return await finished(client, list(inputs))
 
