@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from agl.testing.processes import GatewayProcess
 from experiments.swe.harness import CONFIG
 from tests.conftest import base_url
 
+ROOT = Path(__file__).resolve().parents[3]
 BLOCK = "THOUGHT: look first.\n\n```mswea_bash_command\ngrep -rn 'def take(' .\n```"
 
 
@@ -88,6 +90,7 @@ def test_the_harness_imports_no_litellm() -> None:
         capture_output=True,
         text=True,
         check=True,
+        cwd=ROOT,  # experiments/ is imported from the checkout, not installed
         env={"MSWEA_SILENT_STARTUP": "1", "PATH": "/usr/bin:/bin"},
     )
     assert done.stdout.strip().splitlines()[-1] == "False"
