@@ -40,7 +40,7 @@ from agl.grading import Grade, GradeRequest
 from agl.sandbox.uids import lease
 from experiments.swe import mirror
 from experiments.swe.canaries import plant
-from experiments.swe.harness import REPO, hidden_from_agents
+from experiments.swe.harness import REPO, hidden_from_agents, mirror_root
 from experiments.swe.projects import Project
 from experiments.swe.sandbox import check_available, check_project, tool_jail
 from experiments.swe.testrun import PytestServer, verdict
@@ -168,7 +168,7 @@ def _zero(change: Change, why: str, tests: tuple[int, int]) -> Grade:
 
 def grade_checkout(row: dict[str, Any], repo: Path, hidden: list[Path]) -> Grade:
     """The reward of the agent's checkout ``repo`` for the task ``row``."""
-    root = Path(row["mirror"])
+    root = mirror_root(row)
     project: Project = mirror.read_project(root, row["repo"])
     base = mirror.repo_folder(root, row["repo"]) / mirror.BASE
     f2p, p2p = list(row["FAIL_TO_PASS"]), list(row["PASS_TO_PASS"])

@@ -12,11 +12,12 @@ through the attempt's proxy; each of its commands runs in the coding task's jail
 in sight but the system's programs, pytest and the checkout.
 
 The input is the task's record (``instance_id``, ``repo``, ``problem_statement``, the
-test lists) with the task's options: ``mirror`` (the pipeline's mirror folder),
-``step_limit``, ``command_timeout_s``, ``temperature``, ``max_tokens``, and two for the
-safeguards' control experiment (tests/experiments/swe/test_swe_hacks.py): ``leaky`` leaves
-the checkout
-as a git repository whose history holds the unbugged code (as SWE-smith's images do),
+test lists) with the task's options: ``mirror`` (the pipeline's mirror folder: absolute,
+or relative to agl's checkout), ``config`` (mini-swe-agent's config file: ``mini.yaml``,
+or ``mini_cpu.yaml`` for the CPU-scale tasks of ``experiments.swe.cpu``), ``step_limit``,
+``command_timeout_s``, ``temperature``, ``max_tokens``, and two for the safeguards'
+control experiment (tests/experiments/swe/test_swe_hacks.py): ``leaky`` leaves the
+checkout as a git repository whose history holds the unbugged code (as SWE-smith's images do),
 and ``sandbox: false`` runs the commands with mini-swe-agent's own ``LocalEnvironment``
 (the whole machine and the harness's environment in reach). The harness prints one JSON
 line: the agent's exit status and its model calls; when a command reached one of the
@@ -40,7 +41,7 @@ from experiments.swe import mirror
 from experiments.swe.environment import SANDBOX_LIMIT
 from experiments.swe.sandbox import ROOT, check_available, check_project
 
-CONFIG = Path(__file__).with_name("mini.yaml")
+CONFIGS = ("mini.yaml", "mini_cpu.yaml")  # mini-swe-agent's config files, beside this one
 REPO = "repo"  # the checkout's folder in the workspace
 TRAJECTORY = "trajectory.json"
 LIMIT_EXIT = 3  # the harness's exit code when a command reached one of the jail's limits
@@ -64,7 +65,7 @@ def attempt_config(
     for key in ("temperature", "max_tokens"):
         if key in row:
             kwargs[key] = row[key]
-    hidden = [str(p) for p in hidden_from_agents(Path(row["mirror"]), workspace)]
+    hidden = [str(p) for p in hidden_from_agents(mirror_root(row), workspace)]
     agent_part: dict[str, Any] = {"output_path": str(workspace / TRAJECTORY)}
     if "step_limit" in row:
         agent_part["step_limit"] = int(row["step_limit"])
@@ -109,6 +110,19 @@ def hidden_from_agents(root: Path, workspace: Path) -> list[Path]:
     return [root.resolve().parent, *run, ROOT]
 
 
+def mirror_root(row: dict[str, Any]) -> Path:
+    """The task's mirror: ``mirror`` as given, or under agl's checkout when relative (a
+    warm-up pin then records no path of one machine)."""
+    return ROOT / row["mirror"]  # an absolute path stays itself
+
+
+def config_file(row: dict[str, Any]) -> Path:
+    name = row.get("config", CONFIGS[0])
+    if name not in CONFIGS:
+        raise ValueError(f"task.options.config is one of {list(CONFIGS)}, not {name!r}")
+    return Path(__file__).with_name(name)
+
+
 def run(agent: AgentContext, workspace: Path) -> dict[str, Any]:
     """One attempt: the checkout, then mini-swe-agent to its end."""
     for key, value in MSWEA_ENV.items():
@@ -121,9 +135,8 @@ def run(agent: AgentContext, workspace: Path) -> dict[str, Any]:
     from minisweagent.utils.serialize import recursive_merge
 
     row = dict(agent.input)
-    root = Path(row["mirror"])
-    if not root.is_absolute():
-        raise ValueError(f"task.options.mirror must be an absolute path, not {row['mirror']!r}")
+    spec = config_file(row)
+    root = mirror_root(row)
     sandboxed = row.get("sandbox", True) is not False
     if sandboxed:
         check_available()
@@ -138,7 +151,7 @@ def run(agent: AgentContext, workspace: Path) -> dict[str, Any]:
         if sandboxed:
             give(checkout, uid)  # the jail's user's: it may write there
         extra = attempt_config(agent, row, workspace, uid)
-        config = recursive_merge(get_config_from_spec(CONFIG), extra)
+        config = recursive_merge(get_config_from_spec(spec), extra)
         model = get_model(config=config["model"])
         environment = get_environment(config["environment"], default_type="local")
         coder = get_agent(model, environment, config["agent"], default_type="default")

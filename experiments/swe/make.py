@@ -33,7 +33,7 @@ import shutil
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from agl.core.user_error import UserError
 from agl.sandbox.uids import lease
-from experiments.swe import mirror
+from experiments.swe import cpu, mirror
 from experiments.swe.docstrings import strip_files
 from experiments.swe.filters import Removed
 from experiments.swe.instances import Instance
@@ -69,21 +69,31 @@ class MakeOptions:
     empty_statements: float = 0.15  # share of records left without a statement
     missing_branches: float = 0.05  # share of records whose branch the mirror lacks
     workers: int = 2
+    # the CPU-scale tasks (experiments.swe.cpu): only candidates a small model can read
+    # off a few lines and fix with one sed, whose first failing test names the function
+    cpu: bool = False
 
 
 def statement(project: Project, run: SuiteRun, fail_to_pass: Sequence[str]) -> str:
     """A problem statement from what the bug breaks: the failing tests and the first
     failure's message."""
+    shown = fail_to_pass[:3]
+    message = next((run.messages[t] for t in shown if run.messages.get(t)), "")
+    return statement_text(project.name, fail_to_pass, message)
+
+
+def statement_text(name: str, fail_to_pass: Sequence[str], message: str) -> str:
+    """``statement``'s text for project ``name``, its failing tests and the first
+    failure's message ("": none)."""
     shown = list(fail_to_pass[:3])
     more = len(fail_to_pass) - len(shown)
     lines = [
-        f"Since the last change to {project.name}, {len(fail_to_pass)} of its tests fail:",
+        f"Since the last change to {name}, {len(fail_to_pass)} of its tests fail:",
         "",
         *(f"- `{t}`" for t in shown),
     ]
     if more:
         lines.append(f"- and {more} more")
-    message = next((run.messages[t] for t in shown if run.messages.get(t)), "")
     if message:
         lines += ["", "The first one stops with:", "", "```", message, "```"]
     lines += ["", "Make these tests pass again without breaking the others."]
@@ -96,15 +106,31 @@ def instance_id(project: Project, mutation: Mutation) -> str:
     return f"{project.repo}.{mutation.kind}__{digest}"
 
 
-def candidates(project: Project, base: Path, count: int, seed: int) -> list[Mutation]:
-    """A seeded sample of ``count`` candidate bugs over the project's source modules."""
+def candidates(
+    project: Project,
+    base: Path,
+    count: int,
+    seed: int,
+    keep: Callable[[Mutation], bool] | None = None,
+) -> list[Mutation]:
+    """A seeded sample of ``count`` candidate bugs (0: all of them) over the project's
+    source modules, of those ``keep`` keeps."""
     found = [
         m
         for path in project.source_files(base)
         for m in mutations((base / path).read_text(encoding="utf-8"), path)
+        if keep is None or keep(m)
     ]
     rng = random.Random(f"{project.repo}:{seed}")
-    return rng.sample(found, min(count, len(found)))
+    return rng.sample(found, min(count or len(found), len(found)))
+
+
+def cpu_reason(mutation: Mutation, fail_to_pass: Sequence[str]) -> str | None:
+    """Why a validated CPU-scale bug is not a task: its first failing test is not the
+    function's own (the statement lists it first; it is what the agent runs)."""
+    first = cpu.test_function(fail_to_pass[0]).rpartition("::")[2]
+    function = mutation.function.partition(".")[0]
+    return None if first == f"test_{function}" else f"cpu: the first failing test is {first}"
 
 
 @contextmanager
@@ -216,7 +242,17 @@ def make_project(project: Project, root: Path, sdists: Path, options: MakeOption
             raise UserError(
                 f"{project.repo}: no test passes on its base: {reference.output[-300:]}"
             )
-        tried = candidates(project, base, options.per_project, options.seed)
+        keep = None
+        if options.cpu:
+            fixes: dict[str, cpu.Readable] = {}
+
+            def keep(m: Mutation) -> bool:
+                found = cpu.readable(m, base, passing)
+                if isinstance(found, cpu.Readable):
+                    fixes[m.diff] = found
+                return isinstance(found, cpu.Readable)
+
+        tried = candidates(project, base, options.per_project, options.seed, keep)
         lock = threading.Lock()
         bar = tqdm(total=len(tried), desc=project.repo, unit="bug", disable=not sys.stderr.isatty())
 
@@ -246,6 +282,8 @@ def make_project(project: Project, root: Path, sdists: Path, options: MakeOption
             if not fail
             else NOTHING_PASSES
             if not still
+            else cpu_reason(m, fail)
+            if options.cpu
             else None
         )
         if reason is not None:
@@ -256,6 +294,9 @@ def make_project(project: Project, root: Path, sdists: Path, options: MakeOption
         text = "" if rng.random() < options.empty_statements else statement(project, run, fail)
         if rng.random() >= options.missing_branches:
             mirror.add_branch(root, project.repo, iid, m.diff)
+        extra: dict[str, object] = {"bug": m.label}
+        if options.cpu:  # the canonical fix (the scripted player's); never the agent's
+            extra["fix"] = cpu.edit_command(fixes[m.diff].fix)
         instances.append(
             Instance(
                 instance_id=iid,
@@ -266,7 +307,10 @@ def make_project(project: Project, root: Path, sdists: Path, options: MakeOption
                 image_name=f"agl-swe/{project.repo}",
                 base_commit=base_commit,
                 problem_statement=text,
-                extra={"bug": m.label},
+                extra={
+                    "bug": m.label,
+                    **({"fix": cpu.edit_command(fixes[m.diff].fix)} if options.cpu else {}),
+                },
             )
         )
     details = {

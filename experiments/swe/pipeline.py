@@ -60,7 +60,11 @@ def stage_make(args: argparse.Namespace) -> list[Instance]:
     unknown = sorted(set(names) - set(known))
     if unknown or not names:
         raise UserError(f"no project {', '.join(unknown)}; known: {', '.join(known)}")
-    options = MakeOptions(per_project=args.per_project, seed=args.seed, timeout_s=args.timeout)
+    options = MakeOptions(
+        per_project=args.per_project, seed=args.seed, timeout_s=args.timeout, cpu=args.cpu
+    )
+    if args.cpu:  # a small set, kept whole: no records left without a statement or branch
+        options = dataclasses.replace(options, empty_statements=0.0, missing_branches=0.0)
     root = args.out / MIRROR
     key = {"projects": [dataclasses.asdict(known[n]) for n in names], **dataclasses.asdict(options)}
     key.pop("workers")  # how many at once does not change what is made
@@ -147,10 +151,11 @@ def stage_split(args: argparse.Namespace) -> list[Instance]:
     source = DIFFICULTY if (args.out / DIFFICULTY / REPORT).is_file() else FILTER
     instances = _previous(args.out, source)
     folder = args.out / SPLIT
-    options = {"test": args.test, "seed": args.seed, "source": source}
+    options = {"test": args.test, "seed": args.seed, "source": source, "by": args.by}
 
     def work(items: Sequence[Instance]) -> Outcome:
-        train, test = selection.split(items, args.test, args.seed)
+        group = selection.by_function if args.by == "function" else None
+        train, test = selection.split(items, args.test, args.seed, group)
         write_instances(folder / "train.jsonl", train)
         write_instances(folder / "test.jsonl", test)
         return Outcome(list(items), [], {"train": len(train), "test": len(test), "source": source})
@@ -172,7 +177,12 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make", help="tasks from real projects, the SWE-smith way")
     m.add_argument("--projects", required=True, help="comma-separated names")
     m.add_argument("--projects-file", type=Path, default=PROJECTS)
-    m.add_argument("--per-project", type=int, default=100, help="candidate bugs tried")
+    m.add_argument(
+        "--per-project", type=int, default=100, help="candidate bugs tried (0: every one)"
+    )
+    m.add_argument(
+        "--cpu", action="store_true", help="CPU-scale tasks only (experiments/swe/cpu.py)"
+    )
     m.add_argument("--timeout", type=float, default=20.0, help="seconds a suite may run")
     m.add_argument("--sdists", type=Path, default=SDISTS, help="the source releases' cache")
     f = sub.add_parser("filter", help="the static filters")
@@ -188,6 +198,12 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--never-solved", type=int, default=1000, help="never-solved tasks kept")
     s = sub.add_parser("split", help="a seeded train/test split")
     s.add_argument("--test", type=float, default=400, help="a count, or a fraction below 1")
+    s.add_argument(
+        "--by",
+        choices=("instance", "function"),
+        default="instance",
+        help="function: a function's bugs all on one side (held-out functions)",
+    )
     st = sub.add_parser("status", help="one line a finished stage")
     for q in (m, f, d, s, st):
         q.add_argument("--out", type=Path, required=True, help="the pipeline's folder")

@@ -14,13 +14,15 @@ not made too easy (the paper: ~5,000 mixed, 1,000 of the never-solved). Invarian
 
 Split: a seeded permutation of the instance ids; ``test`` instances (a count, or a
 fraction of them when below 1) go to the test set, the rest to training, no instance in
-both.
+both. Split by a group (``by_function``: the bug's project and function), whole groups go
+to the test set in a seeded order until it holds ``test`` instances (the last group may
+take it past), so no group is on both sides: validation asks about held-out functions.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from experiments.swe.filters import Removed
@@ -81,18 +83,39 @@ def by_difficulty(
     return [i for i in instances if i.instance_id in keep], removed, counts
 
 
+def by_function(item: Instance) -> str:
+    """A bug's project and function (``extra.bug`` is ``kind:function:line``); a closure's
+    bug is its enclosing function's."""
+    function = str(item.extra.get("bug", "::")).split(":")[1].partition(".")[0]
+    return f"{item.repo}:{function}"
+
+
 def split(
-    instances: Sequence[Instance], test: float, seed: int
+    instances: Sequence[Instance],
+    test: float,
+    seed: int,
+    group: Callable[[Instance], str] | None = None,
 ) -> tuple[list[Instance], list[Instance]]:
     """``(train, test)``: a seeded choice of ``test`` instances (a count, or a fraction
-    when below 1), each set in the input's order."""
+    when below 1), of whole groups when ``group`` is given, each set in the input's
+    order."""
     if test < 0 or (test >= 1 and test != int(test)):
         raise ValueError("test is a fraction below 1 or a whole count")
     n = round(test * len(instances)) if test < 1 else int(test)
     if n > len(instances):
         raise ValueError(f"a test set of {n} from {len(instances)} instances")
     ids = sorted(item.instance_id for item in instances)
-    chosen = set(random.Random(seed).sample(ids, n))
+    if group is None:
+        chosen = set(random.Random(seed).sample(ids, n))
+    else:
+        groups: dict[str, list[str]] = {}
+        for item in sorted(instances, key=lambda i: i.instance_id):
+            groups.setdefault(group(item), []).append(item.instance_id)
+        chosen = set()
+        for name in random.Random(seed).sample(sorted(groups), len(groups)):
+            if len(chosen) >= n:
+                break
+            chosen.update(groups[name])
     train = [i for i in instances if i.instance_id not in chosen]
     held = [i for i in instances if i.instance_id in chosen]
     return train, held

@@ -47,3 +47,15 @@ def first_with_branch(out: Path) -> Instance:
     found = [i for i in made if i.branch in held.get(i.repo, [])]
     assert found, made
     return found[0]
+
+
+CPU_MAKE = ["make", "--projects", "toolz", "--cpu", "--per-project", "6"]
+
+
+def _make_cpu(out: Path) -> None:
+    assert pipeline.main([*CPU_MAKE, "--out", str(out)]) == 0
+
+
+def toolz_cpu_made(factory: pytest.TempPathFactory) -> Path:
+    """CPU-scale tasks (experiments/swe/cpu.py) made from toolz, once per run: read only."""
+    return built_once(factory, "swe-toolz-cpu-make", _make_cpu)

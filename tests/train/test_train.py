@@ -34,7 +34,14 @@ def _compose(overrides: list[str]):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_short_run_trains_and_serves_the_new_weights(tmp_path: Path, mode: str) -> None:
     schedule = ["backend.lr_scheduler_type=cosine", "backend.lr=1e-3"]
-    cfg = _compose([f"trainer.mode={mode}", "trainer.max_inflight_groups=6", *schedule])
+    cfg = _compose(
+        [
+            f"trainer.mode={mode}",
+            "trainer.max_inflight_groups=6",
+            "trainer.val_samples=2",
+            *schedule,
+        ]
+    )
     history = train(cfg, tmp_path)
     steps = [row for row in history if "reward/mean" in row]
     assert [row["step"] for row in steps] == [1, 2]
@@ -47,7 +54,8 @@ def test_a_short_run_trains_and_serves_the_new_weights(tmp_path: Path, mode: str
     # An optimizer step changed the weights (a step whose groups all have one reward has
     # no gradient; with 4 groups of 8 that is vanishingly rare twice in a row).
     assert any(row["train/grad_norm"] > 0 for row in steps)
-    assert any("val/reward" in row for row in history)
+    validations = [row for row in history if "val/reward" in row]
+    assert validations and all(row["val/rollouts"] == 8 for row in validations)  # 4 x 2
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == len(history)
     assert (tmp_path / "config.yaml").exists()

@@ -73,6 +73,9 @@ class TrainerConfig:
     max_staleness: int | None = 1  # async: calls more versions behind are dropped
     val_every: int = 5  # 0: never
     val_size: int = 64
+    # rollouts of each validation input: a small set's validation reward, sampled at the
+    # task's temperature, has that much less noise (its mean is over all of them)
+    val_samples: int = 1
     checkpoint_every: int = 10  # 0: never
     keep_checkpoints: int = 2
     max_attempts: int = 2
@@ -95,7 +98,7 @@ class TrainerConfig:
             raise ValueError(
                 f"trainer.dedup must be one of {', '.join(DEDUP_RULES)}, not {self.dedup!r}"
             )
-        for name in ("steps", "groups_per_step", "group_size", "max_attempts"):
+        for name in ("steps", "groups_per_step", "group_size", "max_attempts", "val_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be at least 1")
         if self.mode == "async" and self.max_inflight_groups < self.groups_per_step:
@@ -282,8 +285,11 @@ class Trainer:
             inputs = self.task.val_inputs(self.config.val_size, name)
             await self.collector.submit(
                 [
-                    self._spec(f"{group}.{i}", group, data, "val", {"step": step})
+                    self._spec(
+                        f"{group}.{i}{f'.{k}' if k else ''}", group, data, "val", {"step": step}
+                    )
                     for i, data in enumerate(inputs)
+                    for k in range(self.config.val_samples)
                 ]
             )
         await self.collector.wait(lambda: self.collector.complete_count("val") >= len(sets))

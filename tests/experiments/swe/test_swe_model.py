@@ -19,7 +19,7 @@ from minisweagent.models.openrouter_model import OpenRouterAPIError
 from agl.core.contracts.records import Rollout
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess
-from experiments.swe.harness import CONFIG
+from experiments.swe.harness import config_file
 from tests.conftest import base_url
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -28,7 +28,7 @@ BLOCK = "THOUGHT: look first.\n\n```mswea_bash_command\ngrep -rn 'def take(' .\n
 
 def _model(url: str, key: str, **options: Any) -> Any:
     """The model as the harness builds it: mini.yaml's model part, the attempt's values."""
-    config = yaml.safe_load(CONFIG.read_text())["model"]
+    config = yaml.safe_load(config_file({}).read_text())["model"]
     config["model_kwargs"] |= {"api_base": url, "api_key": key, **options}
     return get_model(config=config)
 

@@ -104,6 +104,46 @@ def test_a_short_run_trains_on_the_graders_rewards(tasks: Path, tmp_path: Path) 
     assert calls >= 9  # mini-swe-agent asked the policy through the proxy
 
 
+@pytest.mark.slow
+@needs_namespaces
+def test_the_cpu_scale_config_runs_mini_cpu_yaml_on_cpu_tasks(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """conf/swe_cpu.yaml with toolz's CPU-scale tasks and no warm-up (random weights: the
+    wiring, not learning): mini-swe-agent runs with mini_cpu.yaml, the grader grades."""
+    made = swe_tasks.toolz_cpu_made(tmp_path_factory)
+    tasks = made / pipeline.MAKE / "instances.jsonl"
+    overrides = [
+        f"task.train_files={tasks}",
+        f"task.val_files={tasks}",
+        f"task.options.mirror={made / pipeline.MIRROR}",
+        "task.warmup=null",
+        "task.warmup_pins=null",
+        "task.sampling.max_tokens=32",
+        "task.options.step_limit=2",
+        "trainer.steps=1",
+        "trainer.groups_per_step=2",
+        "trainer.group_size=2",
+        "trainer.val_every=2",
+        "trainer.val_size=1",
+        "logging.wandb=false",
+        "logging.progress=false",
+    ]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="swe_cpu", overrides=overrides)
+    run = tmp_path / "run"
+    history = train(cfg, run)
+    (step,) = [row for row in history if "reward/mean" in row]
+    assert step["rollouts/finished"] == 4 and step["rollouts/failed"] == 0
+    grades, calls = _grades_and_calls(run)
+    assert len(grades) >= 4 and calls >= 4
+    _tests_ran(grades)
+    with sqlite3.connect(run / "gateway" / "gateway.db") as db:
+        (data,) = db.execute("SELECT data FROM events WHERE type = 'model_request'").fetchone()
+    system = json.loads(data)["messages"][0]["content"]
+    assert system.startswith("Fix the bug with shell commands")  # mini_cpu.yaml's
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
     unavailable_here = ApiServer.available()

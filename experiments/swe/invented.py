@@ -1,0 +1,389 @@
+"""Invented coding tasks for the CPU-scale warm-up: real Python, invented surface.
+
+The warm-up (``experiments.swe.warmup``) must teach the command forms of
+``experiments.swe.cpu`` on code the validation tasks never hold. The code comes from the
+Python standard library (top-level functions of ``MODULES``, less their docstrings):
+real code, installed here, in none of the task projects. Every task is fresh: an invented
+package, module and function name (the function renamed where it names itself), made of
+words of real Python names drawn anew (names of invented syllables were written from the
+model's prior, never copied: the probe's first lesson), its ``def`` among other pooled
+functions at a random place of the module, and a bug of the
+three kinds at one of its sites (``experiments.swe.mutations``, the real code), kept
+only when it qualifies as a real task must (``cpu.readable``'s rules, on the text).
+The search agent's lesson holds here: a fixed set of names is remembered, not copied,
+so no name or line number repeats.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import importlib
+import inspect
+import keyword
+import random
+import re
+from dataclasses import dataclass
+
+from experiments.swe import cpu
+from experiments.swe.docstrings import strip
+from experiments.swe.make import statement_text
+from experiments.swe.mutations import mutations
+
+MODULES = (
+    "textwrap",
+    "shlex",
+    "fnmatch",
+    "posixpath",
+    "heapq",
+    "bisect",
+    "statistics",
+    "calendar",
+    "difflib",
+    "ipaddress",
+    "urllib.parse",
+    "email.utils",
+    "base64",
+    "html",
+    "csv",
+    "glob",
+    "colorsys",
+    "string",
+    "gettext",
+    "tokenize",
+    "inspect",
+    "dis",
+    "pprint",
+    "reprlib",
+    "functools",
+    "operator",
+    "copy",
+    "types",
+    "enum",
+    "dataclasses",
+    "json.decoder",
+    "json.encoder",
+    "configparser",
+    "argparse",
+    "optparse",
+    "locale",
+    "mimetypes",
+    "quopri",
+    "uu",
+    "wave",
+    "chunk",
+    "sre_parse",
+    "sre_compile",
+    "zipfile",
+    "tarfile",
+    "shutil",
+    "tempfile",
+    "genericpath",
+    "ntpath",
+    "warnings",
+    "traceback",
+    "linecache",
+    "codecs",
+    "random",
+    "fractions",
+    "decimal",
+    "numbers",
+    "datetime",
+    "collections",
+    "contextlib",
+    "ast",
+    "keyword",
+    "platform",
+    "sysconfig",
+    "smtplib",
+    "http.cookies",
+    "http.client",
+    "urllib.request",
+    "email.header",
+    "email.quoprimime",
+    "email.base64mime",
+    "email._header_value_parser",
+    "xml.dom.minidom",
+    "pydoc",
+    "cgi",
+    "nntplib",
+    "imaplib",
+    "ftplib",
+    "poplib",
+    "mailbox",
+    "netrc",
+    "plistlib",
+    "pickle",
+    "pickletools",
+    "stringprep",
+    "unicodedata",
+    "gzip",
+    "bz2",
+    "lzma",
+    "hashlib",
+    "hmac",
+    "secrets",
+    "uuid",
+    "ssl",
+    "socket",
+    "selectors",
+    "subprocess",
+    "sched",
+    "queue",
+    "threading",
+    "asyncio.base_events",
+    "asyncio.format_helpers",
+    "logging",
+    "getopt",
+    "doctest",
+    "unittest.util",
+    "trace",
+    "timeit",
+    "cProfile",
+    "pstats",
+    "zipimport",
+    "importlib.util",
+    "pkgutil",
+    "modulefinder",
+    "runpy",
+    "filecmp",
+    "fileinput",
+    "tabnanny",
+    "py_compile",
+    "compileall",
+    "symtable",
+    "token",
+    "opcode",
+)
+MIN_LINES, MAX_LINES = 4, 40  # a pooled function's length
+NEIGHBOURS = (2, 8)  # other pooled functions in an invented module
+FIRST_TESTS_EXTRA = (0, 2)  # other failing tests the statement lists
+_IMPORTS = ("os", "re", "sys", "itertools", "functools", "collections")
+MESSAGES = (
+    "AssertionError: assert {a} == {b}",
+    "assert {a} == {b}",
+    "AssertionError: assert [{a}, {b}] == [{b}, {a}]",
+    "AssertionError: assert not True",
+    "AssertionError: assert False",
+    "TypeError: '<' not supported between instances of 'int' and 'NoneType'",
+    "IndexError: list index out of range",
+    "KeyError: {a}",
+    "ValueError: invalid literal for int() with base 10: 'x{a}'",
+    "AttributeError: 'NoneType' object has no attribute 'get'",
+    "StopIteration",
+)
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """A standard-library function: its name and text (no docstring), and the bugs of
+    the three kinds at its sites, each as ``(kind, line in the function, bugged text)``."""
+
+    name: str
+    text: str
+    bugs: tuple[tuple[str, int, str], ...]
+
+
+@dataclass(frozen=True)
+class InventedTask:
+    """One warm-up task: the checkout's files (the bugged module among them), where the
+    bug is, and what the agent is told."""
+
+    files: dict[str, str]  # path -> text, the module bugged
+    module: str  # the bugged module's path
+    base: str  # the module's text without the bug
+    function: str
+    test: str  # the failing test the function is named in (what a try runs)
+    statement: str
+    fix: cpu.Fix  # the canonical fix
+    shown: tuple[cpu.Shown, ...]  # what the read prints, parsed
+
+
+def _functions(source: str) -> list[tuple[str, str]]:
+    """A module's top-level, undecorated functions as ``(name, text)``."""
+    lines = source.splitlines()
+    found = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and not node.decorator_list and node.end_lineno:
+            found.append((node.name, "\n".join(lines[node.lineno - 1 : node.end_lineno])))
+    return found
+
+
+@functools.cache
+def pool(modules: tuple[str, ...] = MODULES) -> tuple[Pooled, ...]:
+    """Every pooled function of ``modules`` with at least one bug of the three kinds, in
+    a fixed order."""
+    found: list[Pooled] = []
+    seen: set[str] = set()
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+            source = strip(inspect.getsource(module))
+        except (ImportError, OSError, TypeError, SyntaxError):  # absent or not Python here
+            continue
+        for function, text in _functions(source):
+            count = text.count("\n") + 1
+            if not MIN_LINES <= count <= MAX_LINES or not text.isascii() or "\t" in text:
+                continue
+            if text in seen:
+                continue
+            seen.add(text)
+            bugs = tuple(
+                (m.kind, m.line, m.source)
+                for m in mutations(text + "\n", "f.py", cpu.KINDS)
+                if m.function.partition(".")[0] == function
+            )
+            if bugs:
+                found.append(Pooled(function, text, bugs))
+    return tuple(found)
+
+
+@functools.cache
+def vocabulary(modules: tuple[str, ...] = MODULES) -> tuple[str, ...]:
+    """The words real Python names are made of: the parts of the identifiers in
+    ``modules``' sources (``read_header`` gives ``read`` and ``header``), seen twice or
+    more."""
+    counts: dict[str, int] = {}
+    for name in modules:
+        try:
+            source = inspect.getsource(importlib.import_module(name))
+        except (ImportError, OSError, TypeError):
+            continue
+        for identifier in re.findall(r"\b[a-z][a-z0-9_]*\b", source):
+            for word in identifier.split("_"):
+                if 2 <= len(word) <= 10 and word.isalpha():
+                    counts[word] = counts.get(word, 0) + 1
+    return tuple(sorted(w for w, n in counts.items() if n >= 2 and not keyword.iskeyword(w)))
+
+
+def invented_word(rng: random.Random, words: tuple[str, ...]) -> str:
+    """A package's or module's name: one word, or two run together (``itertoolz``)."""
+    return "".join(rng.choice(words) for _ in range(rng.choice((1, 1, 2))))
+
+
+def invented_identifier(rng: random.Random, words: tuple[str, ...]) -> str:
+    """A function's name: one to three words joined by underscores (``merge_sorted``).
+    From thousands of words, no name is likely twice: it can only be copied."""
+    return "_".join(rng.choice(words) for _ in range(rng.choice((1, 2, 2, 3))))
+
+
+def _renamed(text: str, old: str, new: str) -> str:
+    return re.sub(rf"\b{re.escape(old)}\b", new, text)
+
+
+def _layout(rng: random.Random, package: str, module: str) -> tuple[str, str]:
+    """The module's and its tests' paths, in one of the layouts real projects use."""
+    layouts = (
+        (f"{package}/{module}.py", f"{package}/tests/test_{module}.py"),
+        (f"{package}/{module}.py", f"tests/test_{module}.py"),
+        (f"src/{package}/{module}.py", f"tests/test_{module}.py"),
+        (f"{module}.py", f"test_{module}.py"),
+    )
+    return rng.choice(layouts)
+
+
+def _parametrized(rng: random.Random, test: str, words: tuple[str, ...]) -> str:
+    if rng.random() < 0.7:
+        return test
+    value = rng.choice((str(rng.randint(0, 99)), rng.choice(words), "True", "None"))
+    return f"{test}[{value}-{rng.randint(0, 9)}]"
+
+
+def invented_task(
+    rng: random.Random,
+    functions: tuple[Pooled, ...] | None = None,
+    words: tuple[str, ...] | None = None,
+) -> InventedTask:
+    """A fresh task (the module's docstring) of ``functions`` (the pool) named with
+    ``words`` (the vocabulary); draws again until the bug qualifies."""
+    functions, words = functions or pool(), words or vocabulary()
+    while True:
+        found = _attempt(rng, functions, words)
+        if found is not None:
+            return found
+
+
+def _attempt(
+    rng: random.Random, functions: tuple[Pooled, ...], words: tuple[str, ...]
+) -> InventedTask | None:
+    target = rng.choice(functions)
+    _, line, bugged = rng.choice(target.bugs)
+    package, module = invented_word(rng, words), invented_word(rng, words)
+    name = invented_identifier(rng, words)
+    if name in (package, module):
+        return None
+    path, test_path = _layout(rng, package, module)
+    base_function = _renamed(target.text, target.name, name)
+    bugged_function = _renamed(bugged.rstrip("\n"), target.name, name)
+    others = [f.text for f in rng.sample(functions, rng.randint(*NEIGHBOURS)) if f is not target]
+    at = rng.randint(0, len(others))
+    header = "\n".join(f"import {m}" for m in sorted(rng.sample(_IMPORTS, 2)))
+    before = [header, *others[:at]]
+    after = others[at:]
+    base = "\n\n\n".join([*before, base_function, *after]) + "\n"
+    bugged_module = "\n\n\n".join([*before, bugged_function, *after]) + "\n"
+    if len(re.findall(rf"def.{re.escape(name)}\(", bugged_module)) != 1:
+        return None
+    offset = ("\n\n\n".join(before) + "\n\n\n").count("\n")
+    shown = cpu.parse_shown(simulated_read(path, bugged_module, name))
+    base_lines, bugged_lines = base.splitlines(), bugged_module.splitlines()
+    if len(base_lines) != len(bugged_lines):
+        return None
+    bug_line = offset + line
+    fixes = [
+        f
+        for f in cpu.tries(shown)[: cpu.MAX_TRIES]
+        if f.line == bug_line
+        and cpu.sed_once(bugged_lines[bug_line - 1], f.old, f.new) == base_lines[bug_line - 1]
+    ]
+    changed = [i for i, (a, b) in enumerate(zip(base_lines, bugged_lines, strict=True)) if a != b]
+    if changed != [bug_line - 1] or not fixes or not cpu.MIN_SHOWN <= len(shown) <= cpu.MAX_SHOWN:
+        return None
+    test = f"{test_path}::test_{name}"
+    failing = [_parametrized(rng, test, words)]
+    for _ in range(rng.randint(*FIRST_TESTS_EXTRA)):
+        failing.append(
+            _parametrized(rng, f"{test_path}::test_{invented_identifier(rng, words)}", words)
+        )
+    message = rng.choice(MESSAGES).format(a=rng.randint(0, 20), b=rng.randint(0, 20))
+    text = statement_text(package, failing, message if rng.random() < 0.9 else "")
+    files = {path: bugged_module, test_path: _test_file(name, path, base)}
+    return InventedTask(files, path, base, name, test, text, fixes[0], tuple(shown))
+
+
+def _test_file(function: str, path: str, base: str) -> str:
+    """A test of ``function`` that passes exactly when the module is the unbugged one:
+    what the simulated shell decides a try by, for the real shell to run."""
+    digest = hashlib.sha256(base.encode()).hexdigest()
+    return (
+        "import hashlib\nimport pathlib\n\n\n"
+        f"def test_{function}():\n"
+        f"    text = pathlib.Path({path!r}).read_bytes()\n"
+        f"    assert hashlib.sha256(text).hexdigest() == {digest!r}\n"
+    )
+
+
+_SITE = re.compile(
+    r" [<>]=? | [=!]= | (not )?in | is (not )?|return (True|False)"
+    r"|\w\([A-Za-z0-9_.]+, [A-Za-z0-9_.]+",
+    re.ASCII,
+)
+
+
+def simulated_read(path: str, module: str, function: str) -> str:
+    """``cpu.read_command(function)``'s output over a checkout whose only match of
+    ``def.function(`` is in ``module`` at ``path``: ``grep -rn -A`` then ``grep -E`` (the
+    matching lines with ``:``, the lines after them with ``-``)."""
+    lines = module.splitlines()
+    pattern = re.compile(rf"def.{re.escape(function)}\(")
+    out = []
+    for i, text in enumerate(lines):
+        if not pattern.search(text):
+            continue
+        for j in range(i, min(i + cpu.WINDOW + 1, len(lines))):
+            sep = ":" if pattern.search(lines[j]) else "-"
+            if _SITE.search(lines[j]):
+                out.append(f"./{path}{sep}{j + 1}{sep}{lines[j]}\n")
+        break
+    return "".join(out)

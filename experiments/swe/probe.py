@@ -1,0 +1,184 @@
+"""``python -m experiments.swe.probe``: what a pinned warm-up taught the tiny model, on the
+real CPU-scale tasks, in seconds and before any RL.
+
+mini-swe-agent (its agent and ``mini_cpu.yaml``) runs each task with the model in
+process (HF ``generate``, greedy or sampled) and the warm-up's simulated shell over the
+task's real bugged module (``simulated_read`` matches the real read on every task:
+``python -m experiments.swe.scripted``). A command outside the taught forms gets rc 127
+and no output, where the real shell would print an error; the reward is whether the
+module is the unbugged one when the agent stops (the task's first test passes exactly
+then, for these one-line bugs). It is a probe, not the measure: the run's step-0
+validation is, through the gateway, the jail and the grader.
+
+Per task it reports the reward, whether the agent tested (a try command), its calls and
+format errors; and the reward of the rollouts that tested and of those that did not.
+
+    python -m experiments.swe.probe --seed 0 --tasks data/swe_cpu/3-split/test.jsonl \\
+        --mirror data/swe_cpu/mirror --samples 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from minisweagent.agents import get_agent
+from minisweagent.environments.local import LocalEnvironment
+
+from agl.backends.inference.models import load_model
+from experiments.agentic.warmup import prompt_ids
+from experiments.swe import cpu, mirror
+from experiments.swe.instances import Instance, read_instances
+from experiments.swe.invented import InventedTask, simulated_read
+from experiments.swe.model import ProxyTextbasedModel
+from experiments.swe.warmup import _TRY, SimulatedShell, mini_config
+
+_READ = re.compile(r"^grep -rn -A \d+ 'def\.(\w+)\(' \. \| grep -E ")
+_FIX = re.compile(r"^sed -i '(\d+)s/(.*?)/(.*?)/' \./(\S+)$")
+
+
+def real_task(instance: Instance, root: Path) -> InventedTask:
+    """A real CPU-scale task in the form the simulated shell plays."""
+    path = instance.patch.split(" b/", 1)[1].split("\n", 1)[0]
+    function = str(instance.extra["bug"]).split(":")[1].partition(".")[0]
+    with tempfile.TemporaryDirectory(prefix="agl-swe-probe-") as scratch:
+        checkout = Path(scratch) / "repo"
+        mirror.checkout(root, instance.repo, instance.instance_id, checkout)
+        bugged = (checkout / path).read_text()
+    base = (mirror.repo_folder(root, instance.repo) / mirror.BASE / path).read_text()
+    fix = _FIX.match(str(instance.extra["fix"]))
+    assert fix is not None, instance.extra["fix"]
+    shown = cpu.parse_shown(simulated_read(path, bugged, function))
+    return InventedTask(
+        files={path: bugged},
+        module=path,
+        base=base,
+        function=function,
+        test=cpu.test_function(instance.FAIL_TO_PASS[0]),
+        statement=instance.problem_statement,
+        fix=cpu.Fix(fix[4], int(fix[1]), fix[2], fix[3]),
+        shown=tuple(shown),
+    )
+
+
+class ProbeShell(SimulatedShell):
+    """The simulated shell, lenient: any function's read, and rc 127 for what it does
+    not simulate (a sed of a file that is not there changes nothing)."""
+
+    def _sed(self, line: str, old: str, new: str, path: str) -> None:
+        if path in self.files:
+            super()._sed(line, old, new, path)
+
+    def run(self, command: str) -> tuple[int, str]:
+        if found := _READ.match(command):
+            if command != cpu.read_command(found[1]):
+                return 127, ""
+            path = self.task.module
+            output = simulated_read(path, self.files[path], found[1])
+            return (0 if output else 1), output
+        if (found := _TRY.match(command)) and found[5] != self.task.test:
+            self._sed(*found.group(1, 2, 3, 4))  # the wrong test fails: the edit undone
+            self._sed(*found.group(6, 7, 8, 9))
+            return 0, ""
+        try:
+            return super().run(command)
+        except (ValueError, IndexError):
+            return 127, ""
+
+
+def episode(model: Any, tokenizer: Any, task: InventedTask, temperature: float) -> dict[str, Any]:
+    """One rollout of ``task`` by the model through mini-swe-agent in the probe's shell."""
+    shell = ProbeShell(task)
+    commands: list[str] = []
+    config = mini_config()
+    max_tokens = 192
+
+    class Generating(ProxyTextbasedModel):
+        def _query(self, messages: list[dict[str, str]], **kwargs: Any) -> dict[str, Any]:
+            ids = prompt_ids(tokenizer, messages)
+            sampling: dict[str, Any] = (
+                {"do_sample": True, "temperature": temperature, "top_k": 0}
+                if temperature > 0
+                else {"do_sample": False}
+            )
+            with torch.no_grad():
+                out = model.generate(
+                    torch.tensor([ids]),
+                    max_new_tokens=max_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                    **sampling,
+                )
+            reply = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=False)
+            reply = reply.split(tokenizer.eos_token)[0]
+            message = {"role": "assistant", "content": reply}
+            return {"choices": [{"message": message, "finish_reason": "stop"}]}
+
+    class Simulated(LocalEnvironment):
+        def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict:
+            commands.append(action.get("command", ""))
+            code, output = shell.run(commands[-1])
+            result = {"output": output, "returncode": code, "exception_info": ""}
+            self._check_finished(result)
+            return result
+
+    model_config = dict(config["model"])
+    model_config["model_kwargs"] = {**model_config["model_kwargs"], "api_base": "http://probe"}
+    agent = get_agent(
+        Generating(**model_config), Simulated(), config["agent"], default_type="default"
+    )
+    result = agent.run(task.statement)
+    errors = sum(
+        m.get("role") == "user" and str(m.get("content", "")).startswith("Format error")
+        for m in agent.messages
+    )
+    return {
+        "reward": float(shell.files[task.module] == task.base),
+        "tested": any(_TRY.match(c) for c in commands),
+        "read": any(c == cpu.read_command(task.function) for c in commands),
+        "calls": agent.n_calls,
+        "format_errors": errors,
+        "submitted": result.get("exit_status") == "Submitted",
+    }
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    n = len(rows)
+    tested = [r for r in rows if r["tested"]]
+    untested = [r for r in rows if not r["tested"]]
+    out = {key: sum(float(r[key]) for r in rows) / n for key in rows[0]}
+    out["reward if tested"] = sum(r["reward"] for r in tested) / len(tested) if tested else 0.0
+    out["reward if not"] = sum(r["reward"] for r in untested) / len(untested) if untested else 0.0
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m experiments.swe.probe")
+    parser.add_argument("--seed", type=int, default=0, help="the pinned warm-up's seed")
+    parser.add_argument("--pins", type=Path, default=Path("experiments/swe/warmups"))
+    parser.add_argument("--tasks", type=Path, default=Path("data/swe_cpu/3-split/test.jsonl"))
+    parser.add_argument("--mirror", type=Path, default=Path("data/swe_cpu/mirror"))
+    parser.add_argument("--samples", type=int, default=4, help="rollouts a task at T = 1")
+    args = parser.parse_args(argv)
+    loaded = load_model("tiny")
+    weights = torch.load(args.pins / f"seed-{args.seed}.pt", map_location="cpu")
+    loaded.model.load_state_dict(weights)
+    loaded.model.eval()
+    torch.manual_seed(args.seed)
+    tasks = [real_task(i, args.mirror.resolve()) for i in read_instances([args.tasks])]
+    for label, temperature, k in (("greedy", 0.0, 1), ("T = 1", 1.0, args.samples)):
+        rows = [
+            episode(loaded.model, loaded.tokenizer, task, temperature)
+            for task in tasks
+            for _ in range(k)
+        ]
+        figures = summary(rows)
+        print(f"{label:8s}", "  ".join(f"{key} {value:.2f}" for key, value in figures.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The warm-up's two scripted paths played on real CPU-scale tasks, in the real jail,
+graded by the real grader: what reading and testing can earn, and what reading alone
+does (``experiments.swe.warmup``'s player, with the real shell instead of the simulated).
+
+- **read, try, test**: the read, then ``cpu.tries``' edits one by one with
+  ``cpu.try_command`` until the test passes (the command submits) or ``MAX_TRIES`` ran;
+- **read, edit, submit**: the read, then the first candidate edit, submitted untested.
+
+No model is involved: this is the ceiling of the taught skill executed perfectly, and the
+value of skipping the test, on the tasks' own code. It also checks the warm-up's
+simulated read against the real one on every task (``simulated_read`` over the bugged
+module, the real ``grep`` over the whole checkout).
+
+``python -m experiments.swe.scripted --tasks FILE --mirror DIR [--out FILE.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from agl.core.user_error import UserError
+from agl.sandbox.uids import give, lease
+from experiments.swe import cpu, mirror
+from experiments.swe.environment import SandboxEnvironment
+from experiments.swe.grader import grade_checkout
+from experiments.swe.instances import Instance, read_instances
+from experiments.swe.invented import simulated_read
+
+PATHS = ("read, try, test", "read, edit, submit")
+
+
+def first_test(instance: Instance) -> str:
+    return cpu.test_function(instance.FAIL_TO_PASS[0])
+
+
+def play(instance: Instance, root: Path, path: str) -> dict[str, Any]:
+    """One path on one task: its reward, commands and whether the simulated read
+    matched the real one."""
+    function = str(instance.extra["bug"]).split(":")[1].partition(".")[0]
+    row: dict[str, Any] = {
+        "instance_id": instance.instance_id,
+        "repo": instance.repo,
+        "FAIL_TO_PASS": list(instance.FAIL_TO_PASS),
+        "PASS_TO_PASS": list(instance.PASS_TO_PASS),
+        "mirror": str(root),
+    }
+    with tempfile.TemporaryDirectory(prefix="agl-swe-scripted-") as scratch:
+        checkout = Path(scratch) / "repo"
+        mirror.checkout(root, instance.repo, instance.instance_id, checkout)
+        module = instance.patch.split(" b/", 1)[1].split("\n", 1)[0]
+        simulated = simulated_read(module, (checkout / module).read_text(), function)
+        with lease() as uid:
+            give(checkout, uid)
+            shell = SandboxEnvironment(cwd=str(checkout), uid=uid, timeout=30)
+            commands = [cpu.read_command(function)]
+            read = shell.execute({"command": commands[0]})["output"]
+            candidates = cpu.tries(cpu.parse_shown(read))
+            submitted = False
+            if path == PATHS[1]:
+                commands.append(cpu.submit_command(candidates[0]))
+                submitted = _run(shell, commands[-1])
+            else:
+                for fix in candidates[: cpu.MAX_TRIES]:
+                    commands.append(cpu.try_command(fix, first_test(instance)))
+                    if submitted := _run(shell, commands[-1]):
+                        break
+        grade = grade_checkout(row, checkout, [])
+    return {
+        "reward": grade.reward,
+        "commands": len(commands),
+        "submitted": submitted,
+        "read_matches_simulation": read == simulated,
+    }
+
+
+def _run(shell: SandboxEnvironment, command: str) -> bool:
+    """Runs ``command``; whether it submitted."""
+    from minisweagent.exceptions import Submitted
+
+    try:
+        shell.execute({"command": command})
+    except Submitted:
+        return True
+    return False
+
+
+def evaluate(
+    instances: Sequence[Instance], root: Path, workers: int = 2
+) -> dict[str, list[dict[str, Any]]]:
+    jobs = [(p, i) for p in PATHS for i in instances]
+    with ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(lambda job: play(job[1], root, job[0]), jobs))
+    n = len(instances)
+    return {p: results[k * n : (k + 1) * n] for k, p in enumerate(PATHS)}
+
+
+def table(results: dict[str, list[dict[str, Any]]]) -> str:
+    lines = [
+        "| path | reward | fixed | commands a rollout | read as simulated |",
+        "|---|---|---|---|---|",
+    ]
+    for path, rows in results.items():
+        n = len(rows)
+        fixed = sum(r["reward"] == 1.0 for r in rows)
+        commands = sum(r["commands"] for r in rows) / n
+        same = sum(r["read_matches_simulation"] for r in rows)
+        lines.append(
+            f"| {path} | {fixed / n:.3f} | {fixed} of {n} | {commands:.2f} | {same} of {n} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.swe.scripted")
+    parser.add_argument("--tasks", type=Path, required=True, help="CPU-scale tasks (jsonl)")
+    parser.add_argument("--mirror", type=Path, required=True, help="the pipeline's mirror")
+    parser.add_argument("--out", type=Path, help="each path's results, as json")
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args(argv)
+    try:
+        instances = read_instances([args.tasks])
+        if not instances or any("fix" not in i.extra for i in instances):
+            raise UserError(f"{args.tasks}: no CPU-scale tasks (make them with --cpu)")
+        results = evaluate(instances, args.mirror.resolve(), args.workers)
+    except UserError as error:
+        sys.stderr.write(f"experiments.swe.scripted: {error}\n")
+        return 2
+    sys.stdout.write(table(results))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

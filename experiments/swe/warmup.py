@@ -1,0 +1,216 @@
+"""The coding agent's warm-up at CPU scale: the format, the read and the edits, not the
+strategy.
+
+As the search and general agents' (``experiments.search.warmup``, whose reasons hold
+here), it stands in for pretraining: mini-swe-agent itself (its ``DefaultAgent``, its
+action regex, its templates from ``mini_cpu.yaml``) plays invented tasks
+(``experiments.swe.invented``: standard-library code, invented names, fresh every time)
+against a scripted model, in a simulated shell that runs exactly the command forms of
+``experiments.swe.cpu`` in memory (checked against the real jail by the tests), and the
+model learns each episode's text (``loss="all"``) or its replies only.
+
+The scripted player reads (``cpu.read_command``), then either
+
+- **tests** (share ``test_share``): tries the read's candidate edits in order
+  (``cpu.tries``), each with ``cpu.try_command`` (the edit, the failing test, and on a
+  pass the submission, else the edit undone), until one passes; or
+- **submits untested**: the first candidate edit and the submission at once
+  (``cpu.submit_command``), right only when the first candidate is the bug.
+
+The two part at the first token after the edit (``python`` or ``echo``). So the warmed
+model can read, copy a line's number, path and operator into a ``sed``, and run a test,
+and tests only some of the time: learning to test before submitting is left to RL, on
+real projects' bugs it has never seen.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import yaml
+from minisweagent.agents import get_agent
+from minisweagent.environments.local import LocalEnvironment
+
+from experiments.agentic.warmup import prompt_ids
+from experiments.guess.warmup import Batch, DropoutBPE, masked_batch, trained
+from experiments.search.harness import Options as SearchOptions
+from experiments.search.warmup import batches as search_batches
+from experiments.search.warmup import check_options, episode_rows
+from experiments.swe import cpu
+from experiments.swe.invented import (
+    InventedTask,
+    invented_task,
+    pool,
+    simulated_read,
+    vocabulary,
+)
+from experiments.swe.model import ProxyTextbasedModel
+
+CONFIG = Path(__file__).with_name("mini_cpu.yaml")
+# conf/task/swe_cpu.yaml's; 900 steps of 8 tasks and 16 copy rows taught the format but
+# not the copies (README: the probe).
+STEPS = 1500
+TASKS_PER_STEP = 16
+LR = 3e-3
+TEST_SHARE = 0.5
+COPY_QUESTIONS_PER_STEP = 32  # the search agent's short copy episodes (general's reason)
+_SED = r"sed -i '(\d+)s/(.*?)/(.*?)/' \./(\S+)"
+_TRY = re.compile(
+    rf"^{_SED} && python -m pytest -q \./(\S+) >/dev/null && echo {cpu.SUBMIT} \|\| {_SED}$"
+)
+_EDIT_SUBMIT = re.compile(rf"^{_SED} && echo {cpu.SUBMIT}$")
+
+
+def fenced(command: str) -> str:
+    """A reply as mini-swe-agent's action regex reads it."""
+    return f"```mswea_bash_command\n{command}\n```"
+
+
+def plan(task: InventedTask, tested: bool) -> list[str]:
+    """The scripted player's commands for ``task`` (the module's docstring)."""
+    read = cpu.read_command(task.function)
+    candidates = cpu.tries(task.shown)
+    if not tested:
+        return [read, cpu.submit_command(candidates[0])]
+    upto = candidates.index(task.fix) + 1
+    return [read, *(cpu.try_command(f, task.test) for f in candidates[:upto])]
+
+
+class SimulatedShell:
+    """The jail as the scripted player uses it, in memory: the read, the tried edit
+    (the test passes exactly when the module is the unbugged one) and the untested edit.
+    Any other command is refused: the simulation covers only what it was checked on."""
+
+    def __init__(self, task: InventedTask) -> None:
+        self.task = task
+        self.files = dict(task.files)
+
+    def _sed(self, line: str, old: str, new: str, path: str) -> None:
+        lines = self.files[path].split("\n")
+        lines[int(line) - 1] = cpu.sed_once(lines[int(line) - 1], old, new)
+        self.files[path] = "\n".join(lines)
+
+    def run(self, command: str) -> tuple[int, str]:
+        if command == cpu.read_command(self.task.function):
+            path = self.task.module
+            return 0, simulated_read(path, self.files[path], self.task.function)
+        if found := _TRY.match(command):
+            self._sed(*found.group(1, 2, 3, 4))
+            if self.files[self.task.module] == self.task.base:
+                return 0, f"{cpu.SUBMIT}\n"
+            self._sed(*found.group(6, 7, 8, 9))
+            return 0, ""
+        if found := _EDIT_SUBMIT.match(command):
+            self._sed(*found.group(1, 2, 3, 4))
+            return 0, f"{cpu.SUBMIT}\n"
+        raise ValueError(f"the scripted player ran {command!r}, which is not simulated")
+
+
+class ScriptEnded(Exception):
+    pass
+
+
+def playable(task: InventedTask) -> bool:
+    """Whether the tested plan submits at its last command and not before (a wrong try's
+    undo is not exact when the line held the edit's result already: such a task is not a
+    lesson in the forms)."""
+    shell = SimulatedShell(task)
+    outputs = [shell.run(command)[1] for command in plan(task, tested=True)]
+    return [o == f"{cpu.SUBMIT}\n" for o in outputs] == [False] * (len(outputs) - 1) + [True]
+
+
+def mini_config() -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load(CONFIG.read_text())
+    return config
+
+
+Call = tuple[list[dict[str, str]], str]  # the messages sent and the reply
+
+
+def episode_calls(task: InventedTask, commands: list[str]) -> list[Call]:
+    """Every call mini-swe-agent makes for ``task`` when the model answers ``commands``:
+    the messages it sends (as the proxy gets them) and the reply."""
+    shell = SimulatedShell(task)
+    script = iter(fenced(c) for c in commands)
+    calls: list[Call] = []
+
+    class Scripted(ProxyTextbasedModel):
+        abort_exceptions: ClassVar = [*ProxyTextbasedModel.abort_exceptions, ScriptEnded]
+
+        def _query(self, messages: list[dict[str, str]], **kwargs: Any) -> dict[str, Any]:
+            reply = next(script, None)
+            if reply is None:
+                raise ScriptEnded(f"the agent went on after the script's end: {task.function}")
+            calls.append(([dict(m) for m in messages], reply))
+            message = {"role": "assistant", "content": reply}
+            return {"choices": [{"message": message, "finish_reason": "stop"}]}
+
+    class Simulated(LocalEnvironment):
+        def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict:
+            code, output = shell.run(action.get("command", ""))
+            result = {"output": output, "returncode": code, "exception_info": ""}
+            self._check_finished(result)
+            return result
+
+    config = mini_config()
+    model_config = dict(config["model"])
+    model_config["model_kwargs"] = {**model_config["model_kwargs"], "api_base": "http://scripted"}
+    model = Scripted(**model_config)
+    agent = get_agent(model, Simulated(), config["agent"], default_type="default")
+    result = agent.run(task.statement)
+    if result.get("exit_status") != "Submitted":
+        raise ValueError(f"a scripted episode ended {result.get('exit_status')!r}")
+    return calls
+
+
+def warm_up(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    steps: int = STEPS,
+    tasks_per_step: int = TASKS_PER_STEP,
+    lr: float = LR,
+    seed: int = 0,
+    test_share: float = TEST_SHARE,
+    loss: str = "all",
+    copy_questions_per_step: int = COPY_QUESTIONS_PER_STEP,
+    **options: Any,
+) -> dict[str, float]:
+    """Train ``model`` in place (the module's docstring); ``options`` are the task's
+    (unused here). Answers the losses and seconds."""
+    check_options(steps, tasks_per_step, test_share, loss)
+    start = time.perf_counter()
+    functions, words = pool(), vocabulary()
+    rng = random.Random(f"swe-warmup:{seed}")
+    segment = DropoutBPE(tokenizer, 0.0, rng)  # canonical: p = 0 draws nothing
+
+    def batch() -> Batch:
+        rows = []
+        for _ in range(tasks_per_step):
+            task = invented_task(rng, functions, words)
+            while not playable(task):
+                task = invented_task(rng, functions, words)
+            calls = episode_calls(task, plan(task, rng.random() < test_share))
+            ids = [(prompt_ids(tokenizer, messages), reply) for messages, reply in calls]
+            rows += episode_rows(tokenizer, ids, segment, loss)
+        return masked_batch(tokenizer, rows)
+
+    parts = [batch]
+    if copy_questions_per_step:
+        search = SearchOptions(topk=1, prompt="short", max_tokens=32)
+        parts.append(
+            search_batches(
+                tokenizer,
+                search,
+                seed=seed,
+                questions_per_step=copy_questions_per_step,
+                search_share=1.0,
+                loss=loss,
+            )
+        )
+    return trained(model, parts, steps, lr, start)

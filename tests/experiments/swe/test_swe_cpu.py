@@ -1,0 +1,218 @@
+"""The CPU-scale coding tasks (experiments/swe/cpu.py): the command forms run for real
+(bash, grep, sed, pytest), the rules a task must meet, the pipeline's ``--cpu`` and
+``split --by function``, and the scripted paths on real tasks in the real jail."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from experiments.swe import cpu, harness, mirror, pipeline, scripted, selection
+from experiments.swe.instances import Instance, read_instances
+from experiments.swe.mutations import mutations
+from experiments.swe.sandbox import ROOT
+from experiments.swe.stages import INSTANCES
+from tests.helpers import swe_tasks
+
+MODULE = textwrap.dedent(
+    """\
+    import os
+
+
+    def clamp(value, low, high):
+        total = 0
+        if value < low:
+            return low
+        if value >= high:
+            return high
+        for item in range(3):
+            total = max(total, item)
+        return value
+
+
+    def is_hidden(name):
+        if name in ('.', '..'):
+            return False
+        return name.startswith('.')
+
+
+    def joined(head, tail):
+        return os.path.join(head, tail)
+    """
+)
+TESTS = textwrap.dedent(
+    """\
+    from pkg.mod import clamp, is_hidden, joined
+
+
+    def test_clamp():
+        assert clamp(5, 0, 3) == 3
+        assert clamp(-1, 0, 3) == 0
+        assert clamp(2, 0, 3) == 2
+
+
+    def test_is_hidden():
+        assert is_hidden('.git') and not is_hidden('..') and not is_hidden('a')
+
+
+    def test_joined():
+        assert joined('a', 'b') == 'a/b'
+    """
+)
+
+
+def _checkout(root: Path, module: str = MODULE) -> Path:
+    (root / "pkg" / "tests").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "mod.py").write_text(module)
+    (root / "pkg" / "tests" / "test_mod.py").write_text(TESTS)
+    return root
+
+
+def _bash(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
+    return subprocess.run(
+        ["bash", "-c", command], cwd=cwd, capture_output=True, text=True, env={"PATH": path}
+    )
+
+
+def test_the_read_shows_the_site_lines_after_the_def_with_their_numbers(tmp_path: Path) -> None:
+    checkout = _checkout(tmp_path)
+    shown = cpu.parse_shown(cpu.run_read(checkout, "clamp"))
+    # the window runs into the next function: its sites are decoys, as in real code
+    assert [(s.path, s.line) for s in shown] == [("pkg/mod.py", n) for n in (6, 8, 10, 11, 16)]
+    assert shown[0].text == "    if value < low:"
+    # the def itself is printed with ':' and is no candidate; assignments are not sites
+    assert "./pkg/mod.py:4:def clamp(" in cpu.run_read(checkout, "clamp")
+    assert all("total = 0" not in s.text for s in shown)
+
+
+def test_the_candidate_edits_follow_the_lines_and_skip_what_sed_would_misplace() -> None:
+    def edits(text: str) -> list[tuple[str, str]]:
+        return [(f.old, f.new) for f in cpu.tries([cpu.Shown("m.py", 1, text)])]
+
+    assert edits("    if a not in b:") == [(" not in ", " in ")]
+    assert edits("    if a is not None:") == [(" is not ", " is ")]
+    assert edits("    for x in seq:") == []  # a for clause's in is no comparison
+    assert edits("    return [x for x in s if x in t]") == []  # sed would hit the first in
+    assert edits("    return False") == [("return False", "return True")]
+    assert edits("    return f(a, b.c)") == [(" f(a, b.c", " f(b.c, a")]  # the space kept
+    assert edits("    if a < b and c == d:") == [(" == ", " != "), (" < ", " >= ")]
+
+
+def test_every_canonical_fix_gives_back_the_base_with_the_real_sed(tmp_path: Path) -> None:
+    found = 0
+    for m in mutations(MODULE, "pkg/mod.py", cpu.KINDS):
+        fix = cpu.canonical_fix(m, MODULE)
+        if fix is None:
+            continue
+        checkout = tmp_path / f"c{found}"
+        _checkout(checkout, m.source)
+        cpu.run_sed(checkout, fix)
+        assert (checkout / "pkg" / "mod.py").read_text() == MODULE, (m.label, fix)
+        found += 1
+    assert found >= 6
+
+
+def test_a_try_submits_a_passing_edit_and_undoes_a_failing_one(tmp_path: Path) -> None:
+    bugged = MODULE.replace("if value >= high:", "if value < high:")
+    checkout = _checkout(tmp_path, bugged)
+    test = "pkg/tests/test_mod.py::test_clamp"
+    wrong = cpu.Fix("pkg/mod.py", 6, " < ", " >= ")
+    done = _bash(cpu.try_command(wrong, test), checkout)
+    assert (done.returncode, done.stdout) == (0, "")
+    assert (checkout / "pkg" / "mod.py").read_text() == bugged  # undone
+    right = cpu.Fix("pkg/mod.py", 8, " < ", " >= ")
+    done = _bash(cpu.try_command(right, test), checkout)
+    assert (done.returncode, done.stdout) == (0, f"{cpu.SUBMIT}\n")
+    assert (checkout / "pkg" / "mod.py").read_text() == MODULE  # kept
+    untested = _bash(cpu.submit_command(wrong), _checkout(tmp_path / "b", bugged))
+    assert untested.stdout == f"{cpu.SUBMIT}\n"
+
+
+def test_a_bug_qualifies_only_when_read_and_fix_work(tmp_path: Path) -> None:
+    base = _checkout(tmp_path)
+    tests = ["pkg/tests/test_mod.py::test_clamp", "pkg/tests/test_mod.py::test_is_hidden"]
+    by_label = {m.label: m for m in mutations(MODULE, "pkg/mod.py", cpu.KINDS)}
+    flip = by_label["flip_comparison:clamp:8"]
+    found = cpu.readable(flip, base, tests)
+    assert isinstance(found, cpu.Readable)
+    assert found.fix == cpu.Fix("pkg/mod.py", 8, " < ", " >= ")
+    hidden = cpu.readable(by_label["change_return:is_hidden:17"], base, tests)
+    assert isinstance(hidden, cpu.Readable)  # the second candidate edit of its read
+    assert cpu.tries(hidden.shown).index(hidden.fix) == 1
+    swap = by_label["swap_arguments:joined:22"]
+    assert cpu.readable(swap, base, tests) == "no test named test_joined"
+    with_test = [*tests, "pkg/tests/test_mod.py::test_joined[a-b]"]  # parameters or not
+    assert cpu.readable(swap, base, with_test) == "the read shows 1 lines"
+    other = next(m for m in mutations(MODULE, "pkg/mod.py", ("off_by_one",)))
+    assert cpu.readable(other, base, tests) == "kind off_by_one is not read off a line"
+
+
+def _instance(iid: str, bug: str, repo: str = "r") -> Instance:
+    return Instance(iid, repo, ("t::a",), ("t::b",), extra={"bug": bug})
+
+
+def test_a_relative_mirror_is_under_agl_and_the_config_one_of_minis() -> None:
+    assert harness.mirror_root({"mirror": "data/x/mirror"}) == ROOT / "data/x/mirror"
+    assert harness.mirror_root({"mirror": "/abs/mirror"}) == Path("/abs/mirror")
+    assert harness.config_file({}).name == "mini.yaml"
+    assert harness.config_file({"config": "mini_cpu.yaml"}).name == "mini_cpu.yaml"
+    with pytest.raises(ValueError, match=r"mini_cpu\.yaml"):
+        harness.config_file({"config": "../../etc/passwd"})
+
+
+def test_a_split_by_function_holds_out_whole_functions() -> None:
+    items = [
+        _instance(f"i{k}", f"flip_comparison:{f}:{k}")
+        for k, f in enumerate("aabbbcdddeffg" + "h" * 5)
+    ]
+    items.append(_instance("j", "flip_comparison:a.inner:3"))  # a closure is its function's
+    for seed in range(20):
+        train, test = selection.split(items, 6, seed, selection.by_function)
+        held = {selection.by_function(i) for i in test}
+        assert not held & {selection.by_function(i) for i in train}
+        assert len(test) >= 6 and len(train) + len(test) == len(items)
+
+
+# --------------------------------------------------------------------------- on toolz
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return swe_tasks.toolz_cpu_made(tmp_path_factory)
+
+
+def test_make_cpu_keeps_whole_records_each_fixed_by_its_sed(made: Path, tmp_path: Path) -> None:
+    tasks = read_instances([made / pipeline.MAKE / INSTANCES])
+    assert tasks
+    root = made / pipeline.MIRROR
+    for task in tasks:
+        function = str(task.extra["bug"]).split(":")[1].partition(".")[0]
+        assert task.problem_statement  # the CPU set has no statement left out
+        assert cpu.test_function(task.FAIL_TO_PASS[0]).endswith(f"::test_{function}")
+        checkout = tmp_path / task.instance_id
+        mirror.checkout(root, task.repo, task.instance_id, checkout)
+        path = task.patch.split(" b/", 1)[1].split("\n", 1)[0]
+        subprocess.run(["bash", "-c", str(task.extra["fix"])], cwd=checkout, check=True)
+        base = mirror.repo_folder(root, task.repo) / mirror.BASE / path
+        assert (checkout / path).read_text() == base.read_text()
+    report = json.loads((made / pipeline.MAKE / "report.json").read_text())
+    assert report["options"]["cpu"] is True
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="no namespaces tool")
+def test_the_scripted_paths_in_the_real_jail(made: Path) -> None:
+    tasks = read_instances([made / pipeline.MAKE / INSTANCES])[:3]
+    results = scripted.evaluate(tasks, (made / pipeline.MIRROR).resolve())
+    tested, untested = results[scripted.PATHS[0]], results[scripted.PATHS[1]]
+    assert [r["reward"] for r in tested] == [1.0] * len(tasks)
+    assert all(r["read_matches_simulation"] for r in tested + untested)
+    assert all(r["submitted"] for r in tested)
+    assert all(r["commands"] == 2 for r in untested)

@@ -1,0 +1,123 @@
+"""The coding agent's CPU-scale warm-up (experiments/swe/warmup.py, invented.py): invented
+tasks whose simulated shell prints what the real one does, episodes played by
+mini-swe-agent itself, and a short warm-up of the tiny model."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments.agentic.warmup import prompt_ids
+from experiments.guess.warmup import DropoutBPE
+from experiments.search.warmup import episode_rows
+from experiments.swe import cpu, invented, warmup
+
+MODULES = ("textwrap", "shlex", "fnmatch", "posixpath", "heapq", "bisect", "calendar")
+
+
+@pytest.fixture(scope="module")
+def functions() -> tuple[invented.Pooled, ...]:
+    return invented.pool(MODULES)
+
+
+@pytest.fixture(scope="module")
+def words() -> tuple[str, ...]:
+    return invented.vocabulary(MODULES)
+
+
+def _written(task: invented.InventedTask, root: Path) -> Path:
+    for path, text in task.files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return root
+
+
+def _bash(command: str, cwd: Path) -> tuple[int, str]:
+    path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
+    done = subprocess.run(
+        ["bash", "-c", command],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={"PATH": path, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    return done.returncode, done.stdout
+
+
+def test_the_simulated_shell_prints_what_bash_grep_sed_and_pytest_do(
+    functions: tuple[invented.Pooled, ...], words: tuple[str, ...], tmp_path: Path
+) -> None:
+    rng = random.Random(7)
+    checked = 0
+    while checked < 6:
+        task = invented.invented_task(rng, functions, words)
+        if not warmup.playable(task):
+            continue
+        for tested in (True, False):
+            real = _written(task, tmp_path / f"{checked}-{tested}")
+            shell = warmup.SimulatedShell(task)
+            for command in warmup.plan(task, tested):
+                assert shell.run(command) == _bash(command, real), command
+                assert shell.files[task.module] == (real / task.module).read_text()
+        checked += 1
+
+
+def test_a_task_is_fresh_and_its_fix_is_among_the_first_tries(
+    functions: tuple[invented.Pooled, ...], words: tuple[str, ...]
+) -> None:
+    rng = random.Random(3)
+    tasks = [invented.invented_task(rng, functions, words) for _ in range(200)]
+    assert len({t.function for t in tasks}) >= 190  # no name to remember
+    assert len({(t.module, t.fix.line) for t in tasks}) >= 190
+    for task in tasks:
+        assert cpu.MIN_SHOWN <= len(task.shown) <= cpu.MAX_SHOWN
+        assert task.fix in cpu.tries(task.shown)[: cpu.MAX_TRIES]
+        assert task.statement.startswith("Since the last change to ")
+        assert f"`{task.test}" in task.statement  # first, with its parameters if any
+
+
+def test_episodes_are_mini_swe_agents_calls_one_row_each(
+    functions: tuple[invented.Pooled, ...], words: tuple[str, ...]
+) -> None:
+    from agl.backends.inference.models import load_model
+
+    tokenizer = load_model("tiny").tokenizer
+    rng = random.Random(5)
+    segment = DropoutBPE(tokenizer, 0.0, rng)
+    for tested in (True, False, True, False):
+        task = invented.invented_task(rng, functions, words)
+        while not warmup.playable(task):
+            task = invented.invented_task(rng, functions, words)
+        commands = warmup.plan(task, tested)
+        calls = warmup.episode_calls(task, commands)
+        assert [reply for _, reply in calls] == [warmup.fenced(c) for c in commands]
+        messages = calls[-1][0]
+        assert messages[1]["content"].strip() == task.statement.strip()
+        assert sum(m["role"] == "assistant" for m in messages) == len(commands) - 1
+        ids = [(prompt_ids(tokenizer, m), reply) for m, reply in calls]
+        rows = episode_rows(tokenizer, ids, segment, "all")
+        assert len(rows) == 1  # each call extends the last: one sample an episode
+        assert len(rows[0][0]) < 2048
+
+
+def test_two_warm_up_steps_train_the_tiny_model(
+    functions: tuple[invented.Pooled, ...], words: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from agl.backends.inference.models import load_model
+
+    loaded = load_model("tiny")
+    before = [p.detach().clone() for p in loaded.model.parameters()]
+    monkeypatch.setattr(warmup, "pool", lambda: functions)
+    monkeypatch.setattr(warmup, "vocabulary", lambda: words)
+    metrics = warmup.warm_up(
+        loaded.model, loaded.tokenizer, steps=2, tasks_per_step=2, copy_questions_per_step=2
+    )
+    assert metrics["steps"] == 2.0 and metrics["loss"] > 0
+    after = list(loaded.model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
