@@ -53,11 +53,9 @@ from experiments.general.tables import table_lines as real_tables
 from experiments.guess.warmup import Batch, DropoutBPE, at_once, masked_batch, trained
 from experiments.search.baselines import echo
 from experiments.search.facts import World, world
-from experiments.search.harness import Options as SearchOptions
 from experiments.search.harness import Question
 from experiments.search.invented import Invented
-from experiments.search.warmup import batches as search_batches
-from experiments.search.warmup import check_options, episode_rows, step_episodes
+from experiments.search.warmup import check_options, copy_batches, episode_rows, step_episodes
 
 # Measured on 2 CPU cores (README).
 STEPS = 900
@@ -234,16 +232,5 @@ def warm_up(
 
     parts = [batch]
     if copy_questions_per_step:
-        search = SearchOptions(topk=1, prompt="short", max_tokens=32)
-        parts.append(
-            search_batches(
-                tokenizer,
-                search,
-                seed=seed,
-                questions_per_step=copy_questions_per_step,
-                search_share=1.0,
-                loss=loss,
-                kinds=kinds,
-            )
-        )
+        parts.append(copy_batches(tokenizer, seed, copy_questions_per_step, loss, kinds))
     return trained(model, parts, steps, lr, start)

@@ -180,6 +180,24 @@ def batches(
     return batch
 
 
+def copy_batches(
+    tokenizer: Any, seed: int, questions_per_step: int, loss: str, kinds: Any = None
+) -> Callable[[], Batch]:
+    """These episodes, every one searched, as another agent's warm-up's copy practice:
+    short rows that teach copying a name in and an answer out, as a pretrained model has
+    read text of every layout (experiments.general.warmup, experiments.swe.warmup)."""
+    search = Options(topk=1, prompt="short", max_tokens=32)
+    return batches(
+        tokenizer,
+        search,
+        seed=seed,
+        questions_per_step=questions_per_step,
+        search_share=1.0,
+        loss=loss,
+        kinds=kinds,
+    )
+
+
 def warm_up(
     model: torch.nn.Module,
     tokenizer: Any,

@@ -29,11 +29,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from agl.core.user_error import UserError
 from experiments.swe import mirror
-from experiments.swe.grader import grade_checkout
+from experiments.swe.grader import grade_checkout, grading_row
 from experiments.swe.instances import Instance, read_instances
 from experiments.swe.mutations import KINDS, mutations
 from experiments.swe.projects import Project
@@ -93,13 +92,7 @@ def edited(policy: Policy, project: Project, root: Path, statement: str) -> tupl
 def reward(policy: Policy, instance: Instance, root: Path) -> float:
     """The grader's reward for the policy's checkout of ``instance``."""
     project = mirror.read_project(root, instance.repo)
-    row: dict[str, Any] = {
-        "instance_id": instance.instance_id,
-        "repo": instance.repo,
-        "FAIL_TO_PASS": list(instance.FAIL_TO_PASS),
-        "PASS_TO_PASS": list(instance.PASS_TO_PASS),
-        "mirror": str(root),
-    }
+    row = grading_row(instance, root)
     with tempfile.TemporaryDirectory(prefix="agl-swe-baseline-") as scratch:
         checkout = Path(scratch) / "repo"
         mirror.checkout(root, instance.repo, instance.instance_id, checkout)

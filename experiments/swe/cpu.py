@@ -58,6 +58,13 @@ SITES = (
     r"' [<>]=? | [=!]= | (not )?in | is (not )?|return (True|False)"
     r"|\w\([[:alnum:]_.]+, [[:alnum:]_.]+'"
 )
+# SITES as Python reads it, for what simulates the read (experiments.swe.invented); grep's
+# \w and [[:alnum:]] on the ASCII code here
+SITE_PATTERN = re.compile(
+    r" [<>]=? | [=!]= | (not )?in | is (not )?|return (True|False)"
+    r"|\w\([A-Za-z0-9_.]+, [A-Za-z0-9_.]+",
+    re.ASCII,
+)
 # the operators flip_comparison turns around, longest first (" not in " holds " in ")
 _FLIPS = (
     ("not in", "in"),

@@ -41,6 +41,7 @@ from agl.sandbox.uids import lease
 from experiments.swe import mirror
 from experiments.swe.canaries import plant
 from experiments.swe.harness import REPO, hidden_from_agents, mirror_root
+from experiments.swe.instances import Instance
 from experiments.swe.projects import Project
 from experiments.swe.sandbox import check_available, check_project, tool_jail
 from experiments.swe.testrun import PytestServer, verdict
@@ -164,6 +165,17 @@ def _zero(change: Change, why: str, tests: tuple[int, int]) -> Grade:
             **_details(change),
         },
     )
+
+
+def grading_row(instance: Instance, root: Path) -> dict[str, Any]:
+    """What the grader reads of a task, as the trainer would pass it (the mirror ``root``)."""
+    return {
+        "instance_id": instance.instance_id,
+        "repo": instance.repo,
+        "FAIL_TO_PASS": list(instance.FAIL_TO_PASS),
+        "PASS_TO_PASS": list(instance.PASS_TO_PASS),
+        "mirror": str(root),
+    }
 
 
 def grade_checkout(row: dict[str, Any], repo: Path, hidden: list[Path]) -> Grade:

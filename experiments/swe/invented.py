@@ -364,13 +364,6 @@ def _test_file(function: str, path: str, base: str) -> str:
     )
 
 
-_SITE = re.compile(
-    r" [<>]=? | [=!]= | (not )?in | is (not )?|return (True|False)"
-    r"|\w\([A-Za-z0-9_.]+, [A-Za-z0-9_.]+",
-    re.ASCII,
-)
-
-
 def simulated_read(path: str, module: str, function: str) -> str:
     """``cpu.read_command(function)``'s output over a checkout whose only match of
     ``def.function(`` is in ``module`` at ``path``: ``grep -rn -A`` then ``grep -E`` (the
@@ -383,7 +376,7 @@ def simulated_read(path: str, module: str, function: str) -> str:
             continue
         for j in range(i, min(i + cpu.WINDOW + 1, len(lines))):
             sep = ":" if pattern.search(lines[j]) else "-"
-            if _SITE.search(lines[j]):
+            if cpu.SITE_PATTERN.search(lines[j]):
                 out.append(f"./{path}{sep}{j + 1}{sep}{lines[j]}\n")
         break
     return "".join(out)

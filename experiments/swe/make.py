@@ -48,7 +48,7 @@ from experiments.swe import cpu, mirror
 from experiments.swe.docstrings import strip_files
 from experiments.swe.filters import Removed
 from experiments.swe.instances import Instance
-from experiments.swe.mutations import Mutation, mutations
+from experiments.swe.mutations import KINDS, Mutation, mutations
 from experiments.swe.projects import Project, fetch_sdist, unpack
 from experiments.swe.sandbox import check_available, tool_jail
 from experiments.swe.testrun import PytestServer, SuiteRun
@@ -112,13 +112,14 @@ def candidates(
     count: int,
     seed: int,
     keep: Callable[[Mutation], bool] | None = None,
+    kinds: tuple[str, ...] = KINDS,
 ) -> list[Mutation]:
-    """A seeded sample of ``count`` candidate bugs (0: all of them) over the project's
-    source modules, of those ``keep`` keeps."""
+    """A seeded sample of ``count`` candidate bugs (0: all of them) of ``kinds`` over the
+    project's source modules, of those ``keep`` keeps."""
     found = [
         m
         for path in project.source_files(base)
-        for m in mutations((base / path).read_text(encoding="utf-8"), path)
+        for m in mutations((base / path).read_text(encoding="utf-8"), path, kinds)
         if keep is None or keep(m)
     ]
     rng = random.Random(f"{project.repo}:{seed}")
@@ -252,7 +253,8 @@ def make_project(project: Project, root: Path, sdists: Path, options: MakeOption
                     fixes[m.diff] = found
                 return isinstance(found, cpu.Readable)
 
-        tried = candidates(project, base, options.per_project, options.seed, keep)
+        kinds = cpu.KINDS if options.cpu else KINDS
+        tried = candidates(project, base, options.per_project, options.seed, keep, kinds)
         lock = threading.Lock()
         bar = tqdm(total=len(tried), desc=project.repo, unit="bug", disable=not sys.stderr.isatty())
 

@@ -27,18 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from minisweagent.agents import get_agent
-from minisweagent.environments.local import LocalEnvironment
 
 from agl.backends.inference.models import load_model
 from experiments.agentic.warmup import prompt_ids
 from experiments.swe import cpu, mirror
 from experiments.swe.instances import Instance, read_instances
 from experiments.swe.invented import InventedTask, simulated_read
-from experiments.swe.model import ProxyTextbasedModel
-from experiments.swe.warmup import _TRY, SimulatedShell, mini_config
+from experiments.swe.warmup import TRY, SimulatedShell, play
 
 _READ = re.compile(r"^grep -rn -A \d+ 'def\.(\w+)\(' \. \| grep -E ")
+MAX_TOKENS = 192  # conf/task/swe_cpu.yaml's sampling.max_tokens
 _FIX = re.compile(r"^sed -i '(\d+)s/(.*?)/(.*?)/' \./(\S+)$")
 
 
@@ -81,7 +79,7 @@ class ProbeShell(SimulatedShell):
             path = self.task.module
             output = simulated_read(path, self.files[path], found[1])
             return (0 if output else 1), output
-        if (found := _TRY.match(command)) and found[5] != self.task.test:
+        if (found := TRY.match(command)) and found[5] != self.task.test:
             self._sed(*found.group(1, 2, 3, 4))  # the wrong test fails: the edit undone
             self._sed(*found.group(6, 7, 8, 9))
             return 0, ""
@@ -94,55 +92,36 @@ class ProbeShell(SimulatedShell):
 def episode(model: Any, tokenizer: Any, task: InventedTask, temperature: float) -> dict[str, Any]:
     """One rollout of ``task`` by the model through mini-swe-agent in the probe's shell."""
     shell = ProbeShell(task)
-    commands: list[str] = []
-    config = mini_config()
-    max_tokens = 192
-
-    class Generating(ProxyTextbasedModel):
-        def _query(self, messages: list[dict[str, str]], **kwargs: Any) -> dict[str, Any]:
-            ids = prompt_ids(tokenizer, messages)
-            sampling: dict[str, Any] = (
-                {"do_sample": True, "temperature": temperature, "top_k": 0}
-                if temperature > 0
-                else {"do_sample": False}
-            )
-            with torch.no_grad():
-                out = model.generate(
-                    torch.tensor([ids]),
-                    max_new_tokens=max_tokens,
-                    pad_token_id=tokenizer.pad_token_id,
-                    **sampling,
-                )
-            reply = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=False)
-            reply = reply.split(tokenizer.eos_token)[0]
-            message = {"role": "assistant", "content": reply}
-            return {"choices": [{"message": message, "finish_reason": "stop"}]}
-
-    class Simulated(LocalEnvironment):
-        def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict:
-            commands.append(action.get("command", ""))
-            code, output = shell.run(commands[-1])
-            result = {"output": output, "returncode": code, "exception_info": ""}
-            self._check_finished(result)
-            return result
-
-    model_config = dict(config["model"])
-    model_config["model_kwargs"] = {**model_config["model_kwargs"], "api_base": "http://probe"}
-    agent = get_agent(
-        Generating(**model_config), Simulated(), config["agent"], default_type="default"
+    sampling: dict[str, Any] = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0}
+        if temperature > 0
+        else {"do_sample": False}
     )
-    result = agent.run(task.statement)
+
+    def generated(messages: list[dict[str, str]]) -> str:
+        ids = prompt_ids(tokenizer, messages)
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=MAX_TOKENS,
+                pad_token_id=tokenizer.pad_token_id,
+                **sampling,
+            )
+        text = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=False)
+        return str(text.split(tokenizer.eos_token)[0])
+
+    played = play(task, generated, shell)
     errors = sum(
         m.get("role") == "user" and str(m.get("content", "")).startswith("Format error")
-        for m in agent.messages
+        for m in played.messages
     )
     return {
         "reward": float(shell.files[task.module] == task.base),
-        "tested": any(_TRY.match(c) for c in commands),
-        "read": any(c == cpu.read_command(task.function) for c in commands),
-        "calls": agent.n_calls,
+        "tested": any(TRY.match(c) for c in played.commands),
+        "read": any(c == cpu.read_command(task.function) for c in played.commands),
+        "calls": len(played.calls),
         "format_errors": errors,
-        "submitted": result.get("exit_status") == "Submitted",
+        "submitted": played.result.get("exit_status") == "Submitted",
     }
 
 

@@ -29,7 +29,7 @@ from agl.core.user_error import UserError
 from agl.sandbox.uids import give, lease
 from experiments.swe import cpu, mirror
 from experiments.swe.environment import SandboxEnvironment
-from experiments.swe.grader import grade_checkout
+from experiments.swe.grader import grade_checkout, grading_row
 from experiments.swe.instances import Instance, read_instances
 from experiments.swe.invented import simulated_read
 
@@ -44,13 +44,7 @@ def play(instance: Instance, root: Path, path: str) -> dict[str, Any]:
     """One path on one task: its reward, commands and whether the simulated read
     matched the real one."""
     function = str(instance.extra["bug"]).split(":")[1].partition(".")[0]
-    row: dict[str, Any] = {
-        "instance_id": instance.instance_id,
-        "repo": instance.repo,
-        "FAIL_TO_PASS": list(instance.FAIL_TO_PASS),
-        "PASS_TO_PASS": list(instance.PASS_TO_PASS),
-        "mirror": str(root),
-    }
+    row = grading_row(instance, root)
     with tempfile.TemporaryDirectory(prefix="agl-swe-scripted-") as scratch:
         checkout = Path(scratch) / "repo"
         mirror.checkout(root, instance.repo, instance.instance_id, checkout)

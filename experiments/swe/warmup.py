@@ -28,6 +28,8 @@ from __future__ import annotations
 import random
 import re
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -38,9 +40,7 @@ from minisweagent.environments.local import LocalEnvironment
 
 from experiments.agentic.warmup import prompt_ids
 from experiments.guess.warmup import Batch, DropoutBPE, masked_batch, trained
-from experiments.search.harness import Options as SearchOptions
-from experiments.search.warmup import batches as search_batches
-from experiments.search.warmup import check_options, episode_rows
+from experiments.search.warmup import check_options, copy_batches, episode_rows
 from experiments.swe import cpu
 from experiments.swe.invented import (
     InventedTask,
@@ -60,7 +60,7 @@ LR = 3e-3
 TEST_SHARE = 0.5
 COPY_QUESTIONS_PER_STEP = 32  # the search agent's short copy episodes (general's reason)
 _SED = r"sed -i '(\d+)s/(.*?)/(.*?)/' \./(\S+)"
-_TRY = re.compile(
+TRY = re.compile(
     rf"^{_SED} && python -m pytest -q \./(\S+) >/dev/null && echo {cpu.SUBMIT} \|\| {_SED}$"
 )
 _EDIT_SUBMIT = re.compile(rf"^{_SED} && echo {cpu.SUBMIT}$")
@@ -99,7 +99,7 @@ class SimulatedShell:
         if command == cpu.read_command(self.task.function):
             path = self.task.module
             return 0, simulated_read(path, self.files[path], self.task.function)
-        if found := _TRY.match(command):
+        if found := TRY.match(command):
             self._sed(*found.group(1, 2, 3, 4))
             if self.files[self.task.module] == self.task.base:
                 return 0, f"{cpu.SUBMIT}\n"
@@ -124,48 +124,69 @@ def playable(task: InventedTask) -> bool:
     return [o == f"{cpu.SUBMIT}\n" for o in outputs] == [False] * (len(outputs) - 1) + [True]
 
 
-def mini_config() -> dict[str, Any]:
-    config: dict[str, Any] = yaml.safe_load(CONFIG.read_text())
-    return config
-
-
 Call = tuple[list[dict[str, str]], str]  # the messages sent and the reply
+Reply = Callable[[list[dict[str, str]]], str]  # the model: the messages to its reply
+
+
+@dataclass
+class Played:
+    """What mini-swe-agent did on a task: its calls, the commands it ran, how it ended
+    (``exit_status``: ``Submitted``, ``LimitsExceeded``, ...) and its messages."""
+
+    calls: list[Call]
+    commands: list[str]
+    result: dict[str, Any]
+    messages: list[dict[str, Any]]
+
+
+def play(task: InventedTask, reply: Reply, shell: SimulatedShell) -> Played:
+    """mini-swe-agent on ``task`` as ``mini_cpu.yaml`` configures it (its agent, action
+    regex and templates), the model being ``reply`` and its shell ``shell``. A
+    ``ScriptEnded`` from ``reply`` ends the run at once (no retry)."""
+    calls: list[Call] = []
+    commands: list[str] = []
+
+    class Model(ProxyTextbasedModel):
+        abort_exceptions: ClassVar = [*ProxyTextbasedModel.abort_exceptions, ScriptEnded]
+
+        def _query(self, messages: list[dict[str, str]], **kwargs: Any) -> dict[str, Any]:
+            text = reply(messages)
+            calls.append(([dict(m) for m in messages], text))
+            message = {"role": "assistant", "content": text}
+            return {"choices": [{"message": message, "finish_reason": "stop"}]}
+
+    class Simulated(LocalEnvironment):
+        def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict:
+            commands.append(action.get("command", ""))
+            code, output = shell.run(commands[-1])
+            result = {"output": output, "returncode": code, "exception_info": ""}
+            self._check_finished(result)
+            return result
+
+    config: dict[str, Any] = yaml.safe_load(CONFIG.read_text())
+    model_config = dict(config["model"])
+    # never called: Model answers in process
+    model_config["model_kwargs"] = {**model_config["model_kwargs"], "api_base": "http://local"}
+    agent = get_agent(Model(**model_config), Simulated(), config["agent"], default_type="default")
+    result = agent.run(task.statement)
+    return Played(calls, commands, result, agent.messages)
 
 
 def episode_calls(task: InventedTask, commands: list[str]) -> list[Call]:
     """Every call mini-swe-agent makes for ``task`` when the model answers ``commands``:
     the messages it sends (as the proxy gets them) and the reply."""
-    shell = SimulatedShell(task)
     script = iter(fenced(c) for c in commands)
-    calls: list[Call] = []
 
-    class Scripted(ProxyTextbasedModel):
-        abort_exceptions: ClassVar = [*ProxyTextbasedModel.abort_exceptions, ScriptEnded]
+    def scripted(messages: list[dict[str, str]]) -> str:
+        text = next(script, None)
+        if text is None:
+            raise ScriptEnded(f"the agent went on after the script's end: {task.function}")
+        return text
 
-        def _query(self, messages: list[dict[str, str]], **kwargs: Any) -> dict[str, Any]:
-            reply = next(script, None)
-            if reply is None:
-                raise ScriptEnded(f"the agent went on after the script's end: {task.function}")
-            calls.append(([dict(m) for m in messages], reply))
-            message = {"role": "assistant", "content": reply}
-            return {"choices": [{"message": message, "finish_reason": "stop"}]}
-
-    class Simulated(LocalEnvironment):
-        def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict:
-            code, output = shell.run(action.get("command", ""))
-            result = {"output": output, "returncode": code, "exception_info": ""}
-            self._check_finished(result)
-            return result
-
-    config = mini_config()
-    model_config = dict(config["model"])
-    model_config["model_kwargs"] = {**model_config["model_kwargs"], "api_base": "http://scripted"}
-    model = Scripted(**model_config)
-    agent = get_agent(model, Simulated(), config["agent"], default_type="default")
-    result = agent.run(task.statement)
-    if result.get("exit_status") != "Submitted":
-        raise ValueError(f"a scripted episode ended {result.get('exit_status')!r}")
-    return calls
+    played = play(task, scripted, SimulatedShell(task))
+    if played.result.get("exit_status") != "Submitted":
+        raise ValueError(f"a scripted episode ended {played.result.get('exit_status')!r}")
+    return played.calls
 
 
 def warm_up(
@@ -202,15 +223,5 @@ def warm_up(
 
     parts = [batch]
     if copy_questions_per_step:
-        search = SearchOptions(topk=1, prompt="short", max_tokens=32)
-        parts.append(
-            search_batches(
-                tokenizer,
-                search,
-                seed=seed,
-                questions_per_step=copy_questions_per_step,
-                search_share=1.0,
-                loss=loss,
-            )
-        )
+        parts.append(copy_batches(tokenizer, seed, copy_questions_per_step, loss))
     return trained(model, parts, steps, lr, start)

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from agl.sandbox.launch import unavailable
 from experiments.swe import cpu, harness, mirror, pipeline, scripted, selection
 from experiments.swe.instances import Instance, read_instances
 from experiments.swe.mutations import mutations
@@ -207,7 +207,7 @@ def test_make_cpu_keeps_whole_records_each_fixed_by_its_sed(made: Path, tmp_path
     assert report["options"]["cpu"] is True
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="no namespaces tool")
+@pytest.mark.skipif(unavailable() is not None, reason=f"no namespaces here: {unavailable()}")
 def test_the_scripted_paths_in_the_real_jail(made: Path) -> None:
     tasks = read_instances([made / pipeline.MAKE / INSTANCES])[:3]
     results = scripted.evaluate(tasks, (made / pipeline.MIRROR).resolve())

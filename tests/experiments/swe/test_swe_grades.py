@@ -11,7 +11,7 @@ import pytest
 from agl.sandbox.launch import unavailable
 from experiments.swe import mirror
 from experiments.swe.docstrings import strip
-from experiments.swe.grader import grade_checkout
+from experiments.swe.grader import grade_checkout, grading_row
 from experiments.swe.make import MakeOptions, make_project
 from experiments.swe.projects import load_projects
 
@@ -37,13 +37,7 @@ def test_an_honest_fix_earns_1_and_the_bug_0_on_every_project(tmp_path: Path, na
         for source in project.source_files(base):
             assert strip((base / source).read_text()) == (base / source).read_text(), source
     instance = made.instances[0]
-    row = {
-        "instance_id": instance.instance_id,
-        "repo": instance.repo,
-        "FAIL_TO_PASS": list(instance.FAIL_TO_PASS),
-        "PASS_TO_PASS": list(instance.PASS_TO_PASS),
-        "mirror": str(root),
-    }
+    row = grading_row(instance, root)
     fixed, bugged = tmp_path / "fixed", tmp_path / "bugged"
     mirror.checkout(root, instance.repo, instance.instance_id, fixed)
     mirror.apply_diff(fixed, instance.patch, reverse=True)  # the fix, written out
