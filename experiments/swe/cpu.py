@@ -1,13 +1,6 @@
 """The coding task at CPU scale (issue 49): bugs a small model can find by reading a
 few lines, and fix with one ``sed``.
 
-Every string the agent copies is preceded by a punctuation mark where it is copied from
-and where it is written (``::test_name`` and ``'def.name(``, `` `id` `` and ``./id``,
-``./path-57-`` and ``./path``): the tiny model's BPE then splits it into the same tokens
-in both, and a copy is a copy (with a space before it, ``name`` is other tokens, and the
-warmed model wrote names it had never seen instead). Swapped arguments are the exception:
-moving an argument changes what precedes it.
-
 A 2-layer model with 2,048 tokens of context cannot read a project (toolz's
 ``itertoolz.py`` alone is ~8k of its tokens) but can read a function's candidate lines.
 The command forms here are what its warm-up teaches (``experiments.swe.warmup``) and
@@ -17,20 +10,34 @@ is made (``readable``):
 - ``read_command(f)``: the lines of ``f``'s first ``WINDOW`` lines after its ``def`` that
   hold a site of the three kinds (a comparison, a ``return True``/``False``, a call of
   two plain arguments), as ``grep -rn -A`` prints them: ``./path-LINE-text``;
-- ``edit_command(path, line, old, new)``: ``sed -i 'LINEs/OLD/NEW/' PATH``;
-- ``try_command(edit, test)``: the edit, the failing test, and on a pass the submission
-  (mini-swe-agent's ``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` as the output's first
-  line), else the edit undone (its ``sed`` the other way round): one command that leaves
-  the checkout as it found it unless the test passes;
-- ``submit_command(edit)``: the edit and the submission, untested.
+- ``edit_command(fix)``: ``sed -i '/def.f(/,/PATTERN/s/PATTERN/REPLACEMENT/' ./PATH``,
+  the first line after ``f``'s ``def`` that holds the site edited;
+- ``try_command(fix, test)``: the edit (with sed's backup), the failing test, and on a
+  pass the submission (mini-swe-agent's ``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` as the
+  output's first line), else the backup put back: one command that leaves the checkout
+  as it found it unless the test passes;
+- ``submit_command(fix)``: the edit and the submission, untested.
+
+What the agent writes is copied from where it has seen it, each copy following the
+same text there as here, which is how a 2-layer model copies (an induction head: the
+token after the last match of the one before): the function's name after ``def.``
+(``::test_name`` in the statement, then its own read), the path after ``./``, the test
+id after ``./`` (`` `id` `` in the statement), the operator or the call from the read's
+line with the mark before it (`` == ``, `` reduce(``, ``.get(``). No line number: the
+first warm-up taught the line number's copy from ``./path-57-`` into ``'57s`` to no
+seed (the model wrote numbers it had seen nowhere), as the copy follows other text
+there than here; the range from the ``def`` to the site's first line finds the line.
+With a space before it a name is other tokens of the tiny BPE than after a mark (the
+warmed model wrote names it had never seen), hence ``def.`` and ``./``.
 
 The kinds are the three whose change undoes itself, so the fix can be read off the
 bugged line (``flip_comparison``, ``change_return`` between ``True`` and ``False``,
 ``swap_arguments`` of two plain names). A task qualifies (``readable``) when its function
 ``f`` is a module's top-level function, defined once in the checkout; the project has a
 test named ``test_f``; the read prints ``MIN_SHOWN``..``MAX_SHOWN`` lines, the bug's among
-them; the canonical fix (``canonical_fix``) run on the bugged file gives back the base
-file byte for byte; and it is among the first ``MAX_TRIES`` edits ``tries`` lists. Which
+them; the canonical fix (``canonical_fix``: the first line after the ``def`` with its site
+is the bug's) run on the bugged file gives back the base file byte for byte; and it is
+among the first ``MAX_TRIES`` edits ``tries`` lists. Which
 shown line is the bug cannot be known without running the test: that is what the agent
 can learn.
 """
@@ -79,7 +86,11 @@ _FLIPS = (
     (">", "<="),
 )
 _FOR_TARGET = re.compile(r"\bfor [\w, ()]+$")  # what precedes a for clause's " in "
-_CALL = re.compile(r"( ?)(\w+)\(([\w.]+), ([\w.]+)")
+# a call of two plain arguments, with the mark before its name: its tokens as the read's
+_CALL = re.compile(r"([ .(]?)(\w+)\(([\w.]+), ([\w.]+)")
+# the two arguments as a swap's pattern takes them (sed's groups \1 and \2)
+_ARGUMENTS = r"\([^ ,]*\), \([^ ,)]*\)"
+BACKUP = ".orig"  # the suffix of a try's backup (sed -i.orig), which a failed try restores
 # characters that would make a sed pattern or replacement mean more than its text (a
 # "." may match another character: the real sed's result is checked against the base)
 _SED_SPECIAL = set("[]*^$\\/&")
@@ -97,12 +108,14 @@ class Shown:
 
 @dataclass(frozen=True)
 class Fix:
-    """The ``sed`` that undoes a bug: ``old`` to ``new``, first match on ``line``."""
+    """The ``sed`` that undoes a bug: in ``function``'s range (its ``def`` to the first
+    line after it that ``pattern`` matches), ``pattern`` to ``replacement``, once a
+    line. ``pattern`` is a basic regular expression, as sed reads it."""
 
     path: str
-    line: int
-    old: str
-    new: str
+    function: str
+    pattern: str
+    replacement: str
 
 
 def read_command(function: str) -> str:
@@ -111,12 +124,12 @@ def read_command(function: str) -> str:
     return f"grep -rn -A {WINDOW} 'def.{function}(' . | grep -E {SITES}"
 
 
+def _script(fix: Fix) -> str:
+    return f"/def.{fix.function}(/,/{fix.pattern}/s/{fix.pattern}/{fix.replacement}/"
+
+
 def edit_command(fix: Fix) -> str:
-    return f"sed -i '{fix.line}s/{fix.old}/{fix.new}/' ./{fix.path}"
-
-
-def undo(fix: Fix) -> Fix:
-    return Fix(fix.path, fix.line, fix.new, fix.old)
+    return f"sed -i '{_script(fix)}' ./{fix.path}"
 
 
 def pytest_command(test: str) -> str:
@@ -125,8 +138,10 @@ def pytest_command(test: str) -> str:
 
 
 def try_command(fix: Fix, test: str) -> str:
-    tested = f"{pytest_command(test)} && echo {SUBMIT}"
-    return f"{edit_command(fix)} && {tested} || {edit_command(undo(fix))}"
+    # sed's own backup undoes a failed try exactly, whatever the edit did
+    edit = f"sed -i{BACKUP} '{_script(fix)}' ./{fix.path}"
+    restore = f"mv ./{fix.path}{BACKUP} ./{fix.path}"
+    return f"{edit} && {pytest_command(test)} && echo {SUBMIT} || {restore}"
 
 
 def submit_command(fix: Fix) -> str:
@@ -140,7 +155,8 @@ def parse_shown(output: str) -> list[Shown]:
 
 
 def plain(text: str) -> bool:
-    """Whether ``text`` means itself in a sed pattern and replacement."""
+    """Whether ``text`` means itself in a sed pattern and replacement (a ``.`` may match
+    another character: what the real sed does is checked against the base)."""
     return not _SED_SPECIAL & set(text) and "'" not in text
 
 
@@ -160,49 +176,100 @@ def _flip_applies(text: str, old: str) -> bool:
 
 
 def fixes_for(kind: str, text: str) -> list[tuple[str, str]]:
-    """The candidate ``(old, new)`` edits of ``kind`` on a line ``text``: what undoes a
-    bug of that kind there, if it is one, in the order an agent tries them."""
+    """The candidate ``(pattern, replacement)`` edits of ``kind`` on a line ``text``: what
+    undoes a bug of that kind there, if it is one, in the order an agent tries them."""
     if kind == "flip_comparison":
         return [(f" {a} ", f" {b} ") for a, b in _FLIPS if _flip_applies(text, a)]
     if kind == "change_return":
         pairs = (("True", "False"), ("False", "True"))
         return [(f"return {a}", f"return {b}") for a, b in pairs if f"return {a}" in text]
-    if kind == "swap_arguments":  # with the space before the call's name, if any
-        return [(m[0], f"{m[1]}{m[2]}({m[4]}, {m[3]}") for m in _CALL.finditer(text)]
+    if kind == "swap_arguments":  # the call with what precedes its name, as the read shows it
+        return [
+            (f"{m[1]}{m[2]}({_ARGUMENTS}", f"{m[1]}{m[2]}(\\2, \\1")
+            for m in _CALL.finditer(text)
+            if plain(m[1] + m[2])
+        ]
     raise ValueError(f"{kind!r} is not a CPU-scale kind; choose one of {KINDS}")
 
 
-def tries(shown: Sequence[Shown]) -> list[Fix]:
-    """Every candidate fix of the lines a read showed, in the order the warm-up's player
-    tries them: line by line, each line's edits of each kind (``fixes_for``)."""
-    return [
-        Fix(s.path, s.line, old, new)
-        for s in shown
-        for kind in KINDS
-        for old, new in fixes_for(kind, s.text)
-        if plain(old) and plain(new)
-    ]
+def tries(function: str, shown: Sequence[Shown]) -> list[Fix]:
+    """Every candidate fix of the lines a read of ``function`` showed, in the order the
+    warm-up's player tries them: line by line, each line's edits of each kind
+    (``fixes_for``), each once (a line's edit that an earlier line's repeats would change
+    the earlier line)."""
+    found: list[Fix] = []
+    for s in shown:
+        for kind in KINDS:
+            for pattern, replacement in fixes_for(kind, s.text):
+                fix = Fix(s.path, function, pattern, replacement)
+                if fix not in found:
+                    found.append(fix)
+    return found
 
 
-def sed_once(text: str, old: str, new: str) -> str:
-    """``s/old/new/`` on one line, for plain ``old`` and ``new``."""
-    return text.replace(old, new, 1)
+def _bre(pattern: str) -> re.Pattern[str]:
+    """A basic regular expression of the forms here as Python reads it: ``.`` any
+    character, ``\\(``..``\\)`` a group, ``[...]`` a bracket expression, ``*``."""
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and pattern[i + 1 : i + 2] in ("(", ")"):
+            out.append(pattern[i + 1])
+            i += 2
+        elif c == "[":
+            close = pattern.index("]", i + 2)
+            out.append(pattern[i : close + 1])
+            i = close + 1
+        elif c in ".*":
+            out.append(c)
+            i += 1
+        else:
+            out.append(re.escape(c))
+            i += 1
+    return re.compile("".join(out))
+
+
+def apply(fix: Fix, module: str) -> str:
+    """``edit_command(fix)``'s result on a module's text, as GNU sed gives it: the range
+    from each line that ``def.function(`` matches to the first later line ``pattern``
+    matches (or the end), the first match on each of its lines replaced."""
+    start, pattern = _bre(f"def.{fix.function}("), _bre(fix.pattern)
+    lines = module.split("\n")
+    i = 0
+    while i < len(lines):
+        if not start.search(lines[i]):
+            i += 1
+            continue
+        later = (j for j in range(i + 1, len(lines)) if pattern.search(lines[j]))
+        end = next(later, len(lines) - 1)
+        for j in range(i, end + 1):
+            # sed's \\1 and \\2 are Python's too; nothing else in a replacement is special
+            lines[j] = pattern.sub(fix.replacement, lines[j], count=1)
+        i = end + 1
+    return "\n".join(lines)
+
+
+def bug_line(mutation: Mutation, base: str) -> int | None:
+    """The line (from 1) a one-line bug changed; None when it changed more or fewer."""
+    before, after = base.splitlines(), mutation.source.splitlines()
+    if len(before) != len(after):
+        return None
+    changed = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
+    return changed[0] + 1 if len(changed) == 1 else None
 
 
 def canonical_fix(mutation: Mutation, base: str) -> Fix | None:
     """The canonical fix of a one-line bug of the three kinds: the first candidate edit
-    (``fixes_for``) on the bugged line that gives back the base line; None when the bug
-    is not one line or no plain edit undoes it."""
-    before, after = base.splitlines(), mutation.source.splitlines()
-    if mutation.kind not in KINDS or len(before) != len(after):
+    (``fixes_for``) of the bugged line that gives back the base (``apply``); None when
+    the bug is not one line or no edit of the forms undoes it."""
+    line = bug_line(mutation, base)
+    if mutation.kind not in KINDS or line is None:
         return None
-    changed = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
-    if len(changed) != 1:
-        return None
-    bugged, fixed = after[changed[0]], before[changed[0]]
-    for old, new in fixes_for(mutation.kind, bugged):
-        if plain(old) and plain(new) and sed_once(bugged, old, new) == fixed:
-            return Fix(mutation.path, changed[0] + 1, old, new)
+    function = mutation.function.partition(".")[0]
+    for pattern, replacement in fixes_for(mutation.kind, mutation.source.splitlines()[line - 1]):
+        fix = Fix(mutation.path, function, pattern, replacement)
+        if apply(fix, mutation.source) == base:
+            return fix
     return None
 
 
@@ -251,7 +318,7 @@ def readable(mutation: Mutation, base: Path, tests: Sequence[str]) -> Readable |
         return f"no test named test_{function}"
     canonical = canonical_fix(mutation, source)
     if canonical is None:
-        return "no one-line plain edit undoes it"
+        return "no one-line edit of the forms undoes it"
     with tempfile.TemporaryDirectory(prefix="agl-swe-cpu-") as scratch:
         copy = Path(scratch) / "repo"
         subprocess.run(["cp", "-a", str(base), str(copy)], check=True)
@@ -267,10 +334,10 @@ def readable(mutation: Mutation, base: Path, tests: Sequence[str]) -> Readable |
     shown = parse_shown(output)
     if not MIN_SHOWN <= len(shown) <= MAX_SHOWN:
         return f"the read shows {len(shown)} lines"
-    if (mutation.path, canonical.line) not in {(s.path, s.line) for s in shown}:
+    if (mutation.path, bug_line(mutation, source)) not in {(s.path, s.line) for s in shown}:
         return "the read does not show the bug"
     if not undone:
         return "the fix does not give back the base"
-    if canonical not in tries(shown)[:MAX_TRIES]:
+    if canonical not in tries(function, shown)[:MAX_TRIES]:
         return f"the fix is not among the read's first {MAX_TRIES} candidate edits"
     return Readable(canonical, tuple(shown))

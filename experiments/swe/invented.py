@@ -331,14 +331,13 @@ def _attempt(
     if len(base_lines) != len(bugged_lines):
         return None
     bug_line = offset + line
-    fixes = [
-        f
-        for f in cpu.tries(shown)[: cpu.MAX_TRIES]
-        if f.line == bug_line
-        and cpu.sed_once(bugged_lines[bug_line - 1], f.old, f.new) == base_lines[bug_line - 1]
-    ]
+    candidates = cpu.tries(name, shown)[: cpu.MAX_TRIES]
+    fixes = [f for f in candidates if cpu.apply(f, bugged_module) == base]
     changed = [i for i, (a, b) in enumerate(zip(base_lines, bugged_lines, strict=True)) if a != b]
-    if changed != [bug_line - 1] or not fixes or not cpu.MIN_SHOWN <= len(shown) <= cpu.MAX_SHOWN:
+    shows_bug = bug_line in {s.line for s in shown}
+    if changed != [bug_line - 1] or not fixes or not shows_bug:
+        return None
+    if not cpu.MIN_SHOWN <= len(shown) <= cpu.MAX_SHOWN:
         return None
     test = f"{test_path}::test_{name}"
     failing = [_parametrized(rng, test, words)]

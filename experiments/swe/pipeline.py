@@ -214,6 +214,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    args.out = args.out.resolve()  # the sandbox that runs the tests takes absolute paths
     logging.basicConfig(level=logging.INFO, format="swe.pipeline: %(message)s")
     stages = {
         "make": stage_make,

@@ -55,7 +55,7 @@ def play(instance: Instance, root: Path, path: str) -> dict[str, Any]:
             shell = SandboxEnvironment(cwd=str(checkout), uid=uid, timeout=30)
             commands = [cpu.read_command(function)]
             read = shell.execute({"command": commands[0]})["output"]
-            candidates = cpu.tries(cpu.parse_shown(read))
+            candidates = cpu.tries(function, cpu.parse_shown(read))
             submitted = False
             if path == PATHS[1]:
                 commands.append(cpu.submit_command(candidates[0]))

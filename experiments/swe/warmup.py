@@ -13,13 +13,13 @@ The scripted player reads (``cpu.read_command``), then either
 
 - **tests** (share ``test_share``): tries the read's candidate edits in order
   (``cpu.tries``), each with ``cpu.try_command`` (the edit, the failing test, and on a
-  pass the submission, else the edit undone), until one passes; or
+  pass the submission, else the backup put back), until one passes; or
 - **submits untested**: the first candidate edit and the submission at once
   (``cpu.submit_command``), right only when the first candidate is the bug.
 
-The two part at the first token after the edit (``python`` or ``echo``). So the warmed
-model can read, copy a line's number, path and operator into a ``sed``, and run a test,
-and tests only some of the time: learning to test before submitting is left to RL, on
+The two part at the ``sed``'s first option (``-i.orig`` or ``-i``). So the warmed model
+can read, copy the function's name, the path and the site into a ``sed``, and run a
+test, and tests only some of the time: learning to test before submitting is left to RL, on
 real projects' bugs it has never seen.
 """
 
@@ -59,11 +59,17 @@ TASKS_PER_STEP = 16
 LR = 3e-3
 TEST_SHARE = 0.5
 COPY_QUESTIONS_PER_STEP = 32  # the search agent's short copy episodes (general's reason)
-_SED = r"sed -i '(\d+)s/(.*?)/(.*?)/' \./(\S+)"
-TRY = re.compile(
-    rf"^{_SED} && python -m pytest -q \./(\S+) >/dev/null && echo {cpu.SUBMIT} \|\| {_SED}$"
+_EDIT = (
+    r"sed -i{backup} '/def\.(?P<function>\w+)\(/,/(?P<end>[^/]+)/s/(?P<pattern>[^/]+)"
+    r"/(?P<replacement>[^/]*)/' \./(?P<path>\S+)"
 )
-_EDIT_SUBMIT = re.compile(rf"^{_SED} && echo {cpu.SUBMIT}$")
+TRY = re.compile(
+    "^"
+    + _EDIT.format(backup=re.escape(cpu.BACKUP))
+    + rf" && python -m pytest -q \./(?P<test>\S+) >/dev/null && echo {cpu.SUBMIT}"
+    + rf" \|\| mv \./(?P<kept>\S+){re.escape(cpu.BACKUP)} \./(?P<restored>\S+)$"
+)
+_EDIT_SUBMIT = re.compile("^" + _EDIT.format(backup="") + rf" && echo {cpu.SUBMIT}$")
 
 
 def fenced(command: str) -> str:
@@ -74,7 +80,7 @@ def fenced(command: str) -> str:
 def plan(task: InventedTask, tested: bool) -> list[str]:
     """The scripted player's commands for ``task`` (the module's docstring)."""
     read = cpu.read_command(task.function)
-    candidates = cpu.tries(task.shown)
+    candidates = cpu.tries(task.function, task.shown)
     if not tested:
         return [read, cpu.submit_command(candidates[0])]
     upto = candidates.index(task.fix) + 1
@@ -83,30 +89,36 @@ def plan(task: InventedTask, tested: bool) -> list[str]:
 
 class SimulatedShell:
     """The jail as the scripted player uses it, in memory: the read, the tried edit
-    (the test passes exactly when the module is the unbugged one) and the untested edit.
-    Any other command is refused: the simulation covers only what it was checked on."""
+    (the test passes exactly when it is the task's and the module is the unbugged one)
+    and the untested edit. Any other command is refused: the simulation covers only what
+    it was checked on."""
 
     def __init__(self, task: InventedTask) -> None:
         self.task = task
         self.files = dict(task.files)
 
-    def _sed(self, line: str, old: str, new: str, path: str) -> None:
-        lines = self.files[path].split("\n")
-        lines[int(line) - 1] = cpu.sed_once(lines[int(line) - 1], old, new)
-        self.files[path] = "\n".join(lines)
+    def _edit(self, found: re.Match[str]) -> None:
+        if found["end"] != found["pattern"] or found["path"] not in self.files:
+            raise ValueError(f"the edit {found[0]!r} is not simulated")
+        fix = cpu.Fix(found["path"], found["function"], found["pattern"], found["replacement"])
+        self.files[fix.path] = cpu.apply(fix, self.files[fix.path])
 
     def run(self, command: str) -> tuple[int, str]:
         if command == cpu.read_command(self.task.function):
             path = self.task.module
             return 0, simulated_read(path, self.files[path], self.task.function)
         if found := TRY.match(command):
-            self._sed(*found.group(1, 2, 3, 4))
-            if self.files[self.task.module] == self.task.base:
+            if not found["path"] == found["kept"] == found["restored"]:
+                raise ValueError(f"the try {command!r} is not simulated")
+            backup = self.files.get(found["path"])
+            self._edit(found)
+            right = found["test"] == self.task.test
+            if right and self.files[self.task.module] == self.task.base:
                 return 0, f"{cpu.SUBMIT}\n"
-            self._sed(*found.group(6, 7, 8, 9))
+            self.files[found["path"]] = str(backup)
             return 0, ""
         if found := _EDIT_SUBMIT.match(command):
-            self._sed(*found.group(1, 2, 3, 4))
+            self._edit(found)
             return 0, f"{cpu.SUBMIT}\n"
         raise ValueError(f"the scripted player ran {command!r}, which is not simulated")
 
@@ -116,9 +128,9 @@ class ScriptEnded(Exception):
 
 
 def playable(task: InventedTask) -> bool:
-    """Whether the tested plan submits at its last command and not before (a wrong try's
-    undo is not exact when the line held the edit's result already: such a task is not a
-    lesson in the forms)."""
+    """Whether the tested plan submits at its last command and not before (an edit that
+    an earlier candidate's repeats, or that a later line's site would also undo, is not
+    a lesson in the forms)."""
     shell = SimulatedShell(task)
     outputs = [shell.run(command)[1] for command in plan(task, tested=True)]
     return [o == f"{cpu.SUBMIT}\n" for o in outputs] == [False] * (len(outputs) - 1) + [True]

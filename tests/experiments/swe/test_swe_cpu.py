@@ -94,16 +94,22 @@ def test_the_read_shows_the_site_lines_after_the_def_with_their_numbers(tmp_path
 
 
 def test_the_candidate_edits_follow_the_lines_and_skip_what_sed_would_misplace() -> None:
-    def edits(text: str) -> list[tuple[str, str]]:
-        return [(f.old, f.new) for f in cpu.tries([cpu.Shown("m.py", 1, text)])]
+    def edits(*texts: str) -> list[tuple[str, str]]:
+        shown = [cpu.Shown("m.py", n, text) for n, text in enumerate(texts, 1)]
+        return [(f.pattern, f.replacement) for f in cpu.tries("f", shown)]
 
+    swap = cpu.fixes_for("swap_arguments", "f(a, b)")[0][0].removeprefix("f(")
     assert edits("    if a not in b:") == [(" not in ", " in ")]
     assert edits("    if a is not None:") == [(" is not ", " is ")]
     assert edits("    for x in seq:") == []  # a for clause's in is no comparison
     assert edits("    return [x for x in s if x in t]") == []  # sed would hit the first in
     assert edits("    return False") == [("return False", "return True")]
-    assert edits("    return f(a, b.c)") == [(" f(a, b.c", " f(b.c, a")]  # the space kept
+    # the mark before the call's name kept, as the read shows it
+    assert edits("    return f(a, b.c)") == [(f" f({swap}", " f(\\2, \\1")]
+    assert edits("    x = self.get(a, b)") == [(f".get({swap}", ".get(\\2, \\1")]
     assert edits("    if a < b and c == d:") == [(" == ", " != "), (" < ", " >= ")]
+    # the same site on a later line is the earlier line's edit: listed once
+    assert edits("    if a < b:", "    if c < d:") == [(" < ", " >= ")]
 
 
 def test_every_canonical_fix_gives_back_the_base_with_the_real_sed(tmp_path: Path) -> None:
@@ -117,21 +123,41 @@ def test_every_canonical_fix_gives_back_the_base_with_the_real_sed(tmp_path: Pat
         cpu.run_sed(checkout, fix)
         assert (checkout / "pkg" / "mod.py").read_text() == MODULE, (m.label, fix)
         found += 1
-    assert found >= 6
+    assert found >= 5
+
+
+def _fix(kind: str, text: str, function: str = "clamp") -> cpu.Fix:
+    pattern, replacement = cpu.fixes_for(kind, text)[0]
+    return cpu.Fix("pkg/mod.py", function, pattern, replacement)
+
+
+def test_an_edit_changes_the_first_line_after_the_def_with_its_site(tmp_path: Path) -> None:
+    checkout = _checkout(tmp_path)
+    flip = _fix("flip_comparison", "if value < low:")
+    assert _bash(cpu.edit_command(flip), checkout).returncode == 0
+    edited = MODULE.replace("if value < low:", "if value >= low:")
+    assert (checkout / "pkg" / "mod.py").read_text() == edited == cpu.apply(flip, MODULE)
+    swap = _fix("swap_arguments", "os.path.join(head, tail)", "joined")
+    assert _bash(cpu.edit_command(swap), checkout).returncode == 0
+    swapped = edited.replace("join(head, tail)", "join(tail, head)")
+    assert (checkout / "pkg" / "mod.py").read_text() == swapped == cpu.apply(swap, edited)
 
 
 def test_a_try_submits_a_passing_edit_and_undoes_a_failing_one(tmp_path: Path) -> None:
-    bugged = MODULE.replace("if value >= high:", "if value < high:")
+    bugged = MODULE.replace("if value < low:", "if value >= low:")
     checkout = _checkout(tmp_path, bugged)
     test = "pkg/tests/test_mod.py::test_clamp"
-    wrong = cpu.Fix("pkg/mod.py", 6, " < ", " >= ")
+    wrong = _fix("swap_arguments", "total = max(total, item)")
     done = _bash(cpu.try_command(wrong, test), checkout)
     assert (done.returncode, done.stdout) == (0, "")
-    assert (checkout / "pkg" / "mod.py").read_text() == bugged  # undone
-    right = cpu.Fix("pkg/mod.py", 8, " < ", " >= ")
+    assert (checkout / "pkg" / "mod.py").read_text() == bugged  # put back
+    assert not (checkout / "pkg" / f"mod.py{cpu.BACKUP}").exists()
+    right = _fix("flip_comparison", "if value >= low:")
     done = _bash(cpu.try_command(right, test), checkout)
     assert (done.returncode, done.stdout) == (0, f"{cpu.SUBMIT}\n")
     assert (checkout / "pkg" / "mod.py").read_text() == MODULE  # kept
+    # the backup stays beside it: the grader reads the project's source files only
+    assert (checkout / "pkg" / f"mod.py{cpu.BACKUP}").read_text() == bugged
     untested = _bash(cpu.submit_command(wrong), _checkout(tmp_path / "b", bugged))
     assert untested.stdout == f"{cpu.SUBMIT}\n"
 
@@ -140,13 +166,16 @@ def test_a_bug_qualifies_only_when_read_and_fix_work(tmp_path: Path) -> None:
     base = _checkout(tmp_path)
     tests = ["pkg/tests/test_mod.py::test_clamp", "pkg/tests/test_mod.py::test_is_hidden"]
     by_label = {m.label: m for m in mutations(MODULE, "pkg/mod.py", cpu.KINDS)}
-    flip = by_label["flip_comparison:clamp:8"]
+    flip = by_label["flip_comparison:clamp:6"]
     found = cpu.readable(flip, base, tests)
     assert isinstance(found, cpu.Readable)
-    assert found.fix == cpu.Fix("pkg/mod.py", 8, " < ", " >= ")
+    assert found.fix == _fix("flip_comparison", "if value >= low:")
+    # line 8's " < " is after line 6's: the edit of the form would change line 6
+    later = cpu.readable(by_label["flip_comparison:clamp:8"], base, tests)
+    assert later == "no one-line edit of the forms undoes it"
     hidden = cpu.readable(by_label["change_return:is_hidden:17"], base, tests)
     assert isinstance(hidden, cpu.Readable)  # the second candidate edit of its read
-    assert cpu.tries(hidden.shown).index(hidden.fix) == 1
+    assert cpu.tries("is_hidden", hidden.shown).index(hidden.fix) == 1
     swap = by_label["swap_arguments:joined:22"]
     assert cpu.readable(swap, base, tests) == "no test named test_joined"
     with_test = [*tests, "pkg/tests/test_mod.py::test_joined[a-b]"]  # parameters or not

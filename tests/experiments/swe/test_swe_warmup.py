@@ -72,10 +72,11 @@ def test_a_task_is_fresh_and_its_fix_is_among_the_first_tries(
     rng = random.Random(3)
     tasks = [invented.invented_task(rng, functions, words) for _ in range(200)]
     assert len({t.function for t in tasks}) >= 190  # no name to remember
-    assert len({(t.module, t.fix.line) for t in tasks}) >= 190
+    assert len({(t.module, t.fix.function) for t in tasks}) >= 190
     for task in tasks:
         assert cpu.MIN_SHOWN <= len(task.shown) <= cpu.MAX_SHOWN
-        assert task.fix in cpu.tries(task.shown)[: cpu.MAX_TRIES]
+        assert task.fix in cpu.tries(task.function, task.shown)[: cpu.MAX_TRIES]
+        assert cpu.apply(task.fix, task.files[task.module]) == task.base
         assert task.statement.startswith("Since the last change to ")
         assert f"`{task.test}" in task.statement  # first, with its parameters if any
 
