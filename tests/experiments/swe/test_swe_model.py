@@ -16,11 +16,14 @@ from minisweagent.exceptions import FormatError
 from minisweagent.models import get_model
 from minisweagent.models.openrouter_model import OpenRouterAPIError
 
+from agl.core.client import GatewayClient
 from agl.core.contracts.records import Rollout
 from agl.testing.fake_vllm import FakeVllm
 from agl.testing.processes import GatewayProcess
 from experiments.swe.harness import config_file
+from experiments.swe.model import CONTEXT_LIMIT_EXCEEDED
 from tests.conftest import base_url
+from tests.helpers.tiny_gateway import Tiny, start, tiny, tiny_admin  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[3]
 BLOCK = "THOUGHT: look first.\n\n```mswea_bash_command\ngrep -rn 'def take(' .\n```"
@@ -61,12 +64,40 @@ def test_a_malformed_reply_is_minis_format_error(
 
 
 def test_a_refused_call_is_an_error_not_a_reply(
-    gateway: GatewayProcess, running: Callable[..., Rollout]
+    gateway: GatewayProcess, running: Callable[..., Rollout], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # as the harness runs it (MSWEA_ENV): one try, not mini's ten with back-off (~4 min)
+    monkeypatch.setenv("MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT", "1")
     rollout = running()
     model = _model(base_url(gateway, rollout), "not-the-attempts-key")
     with pytest.raises(OpenRouterAPIError, match="HTTP 401"):
         model.query([{"role": "user", "content": "fix the bug"}])
+
+
+def test_a_conversation_past_the_context_ends_the_attempt_as_minis_limits_do(
+    tiny: Tiny,  # noqa: F811
+    tiny_admin: GatewayClient,  # noqa: F811
+) -> None:
+    from minisweagent.agents import get_agent
+    from minisweagent.environments.local import LocalEnvironment
+
+    rollout = start(tiny_admin)
+    config = yaml.safe_load(config_file({"config": "mini_cpu.yaml"}).read_text())
+    config["model"]["model_name"] = tiny.model
+    config["model"]["model_kwargs"] |= {
+        "api_base": base_url(tiny.gateway, rollout),
+        "api_key": rollout.attempt_key or "",
+    }
+    agent = get_agent(
+        get_model(config=config["model"]),
+        LocalEnvironment(),
+        config["agent"],
+        default_type="default",
+    )
+    # the embedded engine's context is 1,024 tokens here: the first call does not fit
+    result = agent.run("the bug is in take " * 400)
+    assert result["exit_status"] == CONTEXT_LIMIT_EXCEEDED
+    assert agent.messages[-1]["role"] == "exit"
 
 
 def test_without_the_proxys_address_it_says_so() -> None:
