@@ -12,6 +12,8 @@ validation is, through the gateway, the jail and the grader.
 
 Per task it reports the reward, whether the agent tested (a try command), its calls and
 format errors; and the reward of the rollouts that tested and of those that did not.
+``--invented N`` probes N fresh invented tasks instead: what the warm-up taught on its
+own distribution (a gap to the real tasks is a transfer problem, none a learning one).
 
     python -m experiments.swe.probe --seed 0 --tasks data/swe_cpu/3-split/test.jsonl \\
         --mirror data/swe_cpu/mirror --samples 4
@@ -20,6 +22,7 @@ format errors; and the reward of the rollouts that tested and of those that did 
 from __future__ import annotations
 
 import argparse
+import random
 import re
 import tempfile
 from collections.abc import Sequence
@@ -32,8 +35,14 @@ from agl.backends.inference.models import load_model
 from experiments.agentic.warmup import prompt_ids
 from experiments.swe import cpu, mirror
 from experiments.swe.instances import Instance, read_instances
-from experiments.swe.invented import InventedTask, simulated_read
-from experiments.swe.warmup import TRY, SimulatedShell, play
+from experiments.swe.invented import (
+    InventedTask,
+    invented_task,
+    pool,
+    simulated_read,
+    vocabulary,
+)
+from experiments.swe.warmup import TRY, Reply, SimulatedShell, play, playable
 
 _READ = re.compile(r"^grep -rn -A \d+ 'def\.(\w+)\(' \. \| grep -E ")
 MAX_TOKENS = 320  # conf/task/swe_cpu.yaml's sampling.max_tokens
@@ -81,9 +90,8 @@ class ProbeShell(SimulatedShell):
             return 127, ""
 
 
-def episode(model: Any, tokenizer: Any, task: InventedTask, temperature: float) -> dict[str, Any]:
-    """One rollout of ``task`` by the model through mini-swe-agent in the probe's shell."""
-    shell = ProbeShell(task)
+def sampler(model: Any, tokenizer: Any, temperature: float) -> Reply:
+    """The model as mini-swe-agent's ``reply``: HF ``generate``, greedy at 0."""
     sampling: dict[str, Any] = (
         {"do_sample": True, "temperature": temperature, "top_k": 0}
         if temperature > 0
@@ -102,7 +110,13 @@ def episode(model: Any, tokenizer: Any, task: InventedTask, temperature: float) 
         text = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=False)
         return str(text.split(tokenizer.eos_token)[0])
 
-    played = play(task, generated, shell)
+    return generated
+
+
+def episode(task: InventedTask, reply: Reply) -> dict[str, Any]:
+    """One rollout of ``task`` by ``reply`` through mini-swe-agent in the probe's shell."""
+    shell = ProbeShell(task)
+    played = play(task, reply, shell)
     errors = sum(
         m.get("role") == "user" and str(m.get("content", "")).startswith("Format error")
         for m in played.messages
@@ -115,6 +129,19 @@ def episode(model: Any, tokenizer: Any, task: InventedTask, temperature: float) 
         "format_errors": errors,
         "submitted": played.result.get("exit_status") == "Submitted",
     }
+
+
+def invented_tasks(n: int, seed: int) -> list[InventedTask]:
+    """``n`` fresh invented tasks of the warm-up's kind (playable), none of its own draws:
+    what the warm-up taught, on its own distribution."""
+    rng = random.Random(f"swe-probe:{seed}")
+    functions, words = pool(), vocabulary()
+    tasks = []
+    while len(tasks) < n:
+        task = invented_task(rng, functions, words)
+        if playable(task):
+            tasks.append(task)
+    return tasks
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -134,19 +161,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tasks", type=Path, default=Path("data/swe_cpu/3-split/test.jsonl"))
     parser.add_argument("--mirror", type=Path, default=Path("data/swe_cpu/mirror"))
     parser.add_argument("--samples", type=int, default=4, help="rollouts a task at T = 1")
+    parser.add_argument(
+        "--invented", type=int, default=0, help="N fresh invented tasks instead of --tasks"
+    )
     args = parser.parse_args(argv)
     loaded = load_model("tiny")
     weights = torch.load(args.pins / f"seed-{args.seed}.pt", map_location="cpu")
     loaded.model.load_state_dict(weights)
     loaded.model.eval()
     torch.manual_seed(args.seed)
-    tasks = [real_task(i, args.mirror.resolve()) for i in read_instances([args.tasks])]
+    tasks = (
+        invented_tasks(args.invented, args.seed)
+        if args.invented
+        else [real_task(i, args.mirror.resolve()) for i in read_instances([args.tasks])]
+    )
     for label, temperature, k in (("greedy", 0.0, 1), ("T = 1", 1.0, args.samples)):
-        rows = [
-            episode(loaded.model, loaded.tokenizer, task, temperature)
-            for task in tasks
-            for _ in range(k)
-        ]
+        reply = sampler(loaded.model, loaded.tokenizer, temperature)
+        rows = [episode(task, reply) for task in tasks for _ in range(k)]
         figures = summary(rows)
         print(f"{label:8s}", "  ".join(f"{key} {value:.2f}" for key, value in figures.items()))
 

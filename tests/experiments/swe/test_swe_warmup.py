@@ -122,3 +122,29 @@ def test_two_warm_up_steps_train_the_tiny_model(
     assert metrics["steps"] == 2.0 and metrics["loss"] > 0
     after = list(loaded.model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_the_probe_rewards_a_fix_and_only_a_fix(
+    functions: tuple[invented.Pooled, ...], words: tuple[str, ...]
+) -> None:
+    from experiments.swe import probe
+
+    def replying(commands: list[str]) -> warmup.Reply:
+        script = iter([*commands, "ls"])  # past the plan: a command it does not simulate
+        return lambda messages: warmup.fenced(next(script))
+
+    rng = random.Random(11)
+    seen = {"fixed untested": 0, "missed untested": 0}
+    while min(seen.values()) < 2:
+        task = invented.invented_task(rng, functions, words)
+        if not warmup.playable(task):
+            continue
+        tested = probe.episode(task, replying(warmup.plan(task, tested=True)))
+        assert (tested["reward"], tested["tested"], tested["submitted"]) == (1.0, True, True)
+        untested = probe.episode(task, replying(warmup.plan(task, tested=False)))
+        first_is_fix = cpu.tries(task.function, task.shown)[0] == task.fix
+        assert untested["reward"] == float(first_is_fix)
+        assert not untested["tested"] and untested["submitted"]
+        seen["fixed untested" if first_is_fix else "missed untested"] += 1
+    wrong = probe.episode(task, replying(["cat /etc/passwd"] * 6))
+    assert (wrong["reward"], wrong["read"], wrong["submitted"]) == (0.0, False, False)
