@@ -132,6 +132,29 @@ def edit_command(fix: Fix) -> str:
     return f"sed -i '{_script(fix)}' ./{fix.path}"
 
 
+# edit_command's form as a regular expression ({backup}: try_command's ``-i`` suffix),
+# for what reads the commands back (the simulated shell, the probe)
+EDIT_FORM = (
+    r"sed -i{backup} '/def\.(?P<function>\w+)\(/,/(?P<end>[^/]+)/s/(?P<pattern>[^/]+)"
+    r"/(?P<replacement>[^/]*)/' \./(?P<path>\S+)"
+)
+_EDIT = re.compile("^" + EDIT_FORM.format(backup="") + "$")
+
+
+def edit_of(found: re.Match[str]) -> Fix | None:
+    """The fix a match of ``EDIT_FORM`` writes; None when its range ends at another
+    pattern than it edits (no form of these)."""
+    if found["end"] != found["pattern"]:
+        return None
+    return Fix(found["path"], found["function"], found["pattern"], found["replacement"])
+
+
+def parse_edit(command: str) -> Fix | None:
+    """``edit_command``'s inverse: the fix ``command`` writes, or None."""
+    found = _EDIT.match(command)
+    return edit_of(found) if found else None
+
+
 def pytest_command(test: str) -> str:
     # "./": the test id follows a punctuation mark, as in the statement (`` `id` ``)
     return f"python -m pytest -q ./{test} >/dev/null"

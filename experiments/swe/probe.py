@@ -46,7 +46,6 @@ from experiments.swe.warmup import TRY, Reply, SimulatedShell, play, playable
 
 _READ = re.compile(r"^grep -rn -A \d+ 'def\.(\w+)\(' \. \| grep -E ")
 MAX_TOKENS = 320  # conf/task/swe_cpu.yaml's sampling.max_tokens
-_FIX = re.compile(r"^sed -i '/def\.(\w+)\(/,/([^/]+)/s/[^/]+/([^/]*)/' \./(\S+)$")
 
 
 def real_task(instance: Instance, root: Path) -> InventedTask:
@@ -58,7 +57,7 @@ def real_task(instance: Instance, root: Path) -> InventedTask:
         mirror.checkout(root, instance.repo, instance.instance_id, checkout)
         bugged = (checkout / path).read_text()
     base = (mirror.repo_folder(root, instance.repo) / mirror.BASE / path).read_text()
-    fix = _FIX.match(str(instance.extra["fix"]))
+    fix = cpu.parse_edit(str(instance.extra["fix"]))
     assert fix is not None, instance.extra["fix"]
     shown = cpu.parse_shown(simulated_read(path, bugged, function))
     return InventedTask(
@@ -68,7 +67,7 @@ def real_task(instance: Instance, root: Path) -> InventedTask:
         function=function,
         test=cpu.test_function(instance.FAIL_TO_PASS[0]),
         statement=instance.problem_statement,
-        fix=cpu.Fix(fix[4], fix[1], fix[2], fix[3]),
+        fix=fix,
         shown=tuple(shown),
     )
 

@@ -59,17 +59,13 @@ TASKS_PER_STEP = 16
 LR = 3e-3
 TEST_SHARE = 0.5
 COPY_QUESTIONS_PER_STEP = 32  # the search agent's short copy episodes (general's reason)
-_EDIT = (
-    r"sed -i{backup} '/def\.(?P<function>\w+)\(/,/(?P<end>[^/]+)/s/(?P<pattern>[^/]+)"
-    r"/(?P<replacement>[^/]*)/' \./(?P<path>\S+)"
-)
 TRY = re.compile(
     "^"
-    + _EDIT.format(backup=re.escape(cpu.BACKUP))
+    + cpu.EDIT_FORM.format(backup=re.escape(cpu.BACKUP))
     + rf" && python -m pytest -q \./(?P<test>\S+) >/dev/null && echo {cpu.SUBMIT}"
     + rf" \|\| mv \./(?P<kept>\S+){re.escape(cpu.BACKUP)} \./(?P<restored>\S+)$"
 )
-_EDIT_SUBMIT = re.compile("^" + _EDIT.format(backup="") + rf" && echo {cpu.SUBMIT}$")
+_EDIT_SUBMIT = re.compile("^" + cpu.EDIT_FORM.format(backup="") + rf" && echo {cpu.SUBMIT}$")
 
 
 def fenced(command: str) -> str:
@@ -98,9 +94,9 @@ class SimulatedShell:
         self.files = dict(task.files)
 
     def _edit(self, found: re.Match[str]) -> None:
-        if found["end"] != found["pattern"] or found["path"] not in self.files:
+        fix = cpu.edit_of(found)
+        if fix is None or fix.path not in self.files:
             raise ValueError(f"the edit {found[0]!r} is not simulated")
-        fix = cpu.Fix(found["path"], found["function"], found["pattern"], found["replacement"])
         self.files[fix.path] = cpu.apply(fix, self.files[fix.path])
 
     def run(self, command: str) -> tuple[int, str]:

@@ -141,6 +141,9 @@ def test_an_edit_changes_the_first_line_after_the_def_with_its_site(tmp_path: Pa
     assert _bash(cpu.edit_command(swap), checkout).returncode == 0
     swapped = edited.replace("join(head, tail)", "join(tail, head)")
     assert (checkout / "pkg" / "mod.py").read_text() == swapped == cpu.apply(swap, edited)
+    # what reads the commands back (the simulated shell, the probe) reads these
+    assert [cpu.parse_edit(cpu.edit_command(f)) for f in (flip, swap)] == [flip, swap]
+    assert cpu.parse_edit(cpu.submit_command(flip)) is None  # a whole edit command only
 
 
 def test_a_try_submits_a_passing_edit_and_undoes_a_failing_one(tmp_path: Path) -> None:
@@ -229,6 +232,7 @@ def test_make_cpu_keeps_whole_records_each_fixed_by_its_sed(made: Path, tmp_path
         checkout = tmp_path / task.instance_id
         mirror.checkout(root, task.repo, task.instance_id, checkout)
         path = task.patch.split(" b/", 1)[1].split("\n", 1)[0]
+        assert cpu.parse_edit(str(task.extra["fix"])) is not None
         subprocess.run(["bash", "-c", str(task.extra["fix"])], cwd=checkout, check=True)
         base = mirror.repo_folder(root, task.repo) / mirror.BASE / path
         assert (checkout / path).read_text() == base.read_text()
