@@ -4,26 +4,32 @@ The warm-up (``experiments.swe.warmup``) must teach the command forms of
 ``experiments.swe.cpu`` on code the validation tasks never hold. The code comes from the
 Python standard library (top-level functions of ``MODULES``, less their docstrings):
 real code, installed here, in none of the task projects. Every task is fresh: an invented
-package, module and function name (the function renamed where it names itself), made of
-words of real Python names drawn anew (names of invented syllables were written from the
-model's prior, never copied: the probe's first lesson), its ``def`` among other pooled
-functions at a random place of the module, and a bug of the
-three kinds at one of its sites (``experiments.swe.mutations``, the real code), kept
-only when it qualifies as a real task must (``cpu.readable``'s rules, on the text).
-The search agent's lesson holds here: a fixed set of names is remembered, not copied,
-so no name or line number repeats.
+package, module and function name, made of words of real Python names drawn anew (names
+of invented syllables were written from the model's prior, never copied: the probe's
+first lesson), its ``def`` among other pooled functions at a random place of the module,
+every other identifier of the module renamed too (``renaming``: builtins, keywords and
+short names kept), a bug of the three kinds at one of its sites
+(``experiments.swe.mutations``, the real code), kept only when it qualifies as a real
+task must (``cpu.readable``'s rules, on the text), its test sometimes in a class, as
+toolz's are. The search agent's lesson holds here: a fixed set of names is remembered,
+not copied, so no name or line number repeats. It held for the code's own names as well:
+with the pool's names kept, the warmed model wrote the pool's calls (``_siftup``,
+``isinstance``) into real tasks' edits where the read had printed others.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import hashlib
 import importlib
 import inspect
+import io
 import keyword
 import random
 import re
+import tokenize
 from dataclasses import dataclass
 
 from experiments.swe import cpu
@@ -159,7 +165,10 @@ MODULES = (
 MIN_LINES, MAX_LINES = 4, 40  # a pooled function's length
 NEIGHBOURS = (2, 8)  # other pooled functions in an invented module
 FIRST_TESTS_EXTRA = (0, 2)  # other failing tests the statement lists
+CLASS_TEST_SHARE = 0.15  # tests in a class (``path::TestCustomMapping::test_f``), as toolz's
 _IMPORTS = ("os", "re", "sys", "itertools", "functools", "collections")
+# names an invented module keeps: what real code of any project calls by the same name
+_KEPT = frozenset(keyword.kwlist) | frozenset(dir(builtins)) | {"self", "cls", *_IMPORTS}
 MESSAGES = (
     "AssertionError: assert {a} == {b}",
     "assert {a} == {b}",
@@ -268,8 +277,65 @@ def invented_identifier(rng: random.Random, words: tuple[str, ...]) -> str:
     return "_".join(rng.choice(words) for _ in range(rng.choice((1, 2, 2, 3))))
 
 
-def _renamed(text: str, old: str, new: str) -> str:
-    return re.sub(rf"\b{re.escape(old)}\b", new, text)
+def _fresh(old: str, rng: random.Random, words: tuple[str, ...]) -> str:
+    """An invented name in ``old``'s style: its leading underscores, CamelCase or
+    UPPER_CASE where it is, one word for a short name (``seq``, ``key``)."""
+    core = old.lstrip("_")
+    count = 1 if len(core) <= 6 else rng.choice((1, 2, 2, 3))
+    new = "_".join(rng.choice(words) for _ in range(count))
+    if core.isupper():
+        new = new.upper()
+    elif core[:1].isupper():
+        new = "".join(w.capitalize() for w in new.split("_"))
+    return old[: len(old) - len(core)] + new
+
+
+def _names(text: str) -> list[tokenize.TokenInfo] | None:
+    """The name tokens of Python ``text``; None when it does not tokenize."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return None
+    return [t for t in tokens if t.type == tokenize.NAME]
+
+
+def renaming(
+    text: str, rng: random.Random, words: tuple[str, ...], fixed: dict[str, str]
+) -> dict[str, str] | None:
+    """A fresh name for every identifier of ``text`` (attributes too) but the kept ones
+    (keywords, builtins, ``self``, dunders, the imported modules, names of one or two
+    characters) and ``fixed``'s own:
+    code of a fixed pool whose names stayed would be remembered, not copied (the model
+    wrote the pool's call names, ``_siftup``, into real tasks' edits). None when ``text``
+    does not tokenize."""
+    names = _names(text)
+    if names is None:
+        return None
+    mapping = dict(fixed)
+    used = set(_KEPT) | set(mapping.values())
+    for token in names:
+        old = token.string
+        dunder = old.startswith("__") and old.endswith("__")
+        if old in mapping or old in _KEPT or dunder or len(old) <= 2:  # x, n, fn: any code's
+            continue
+        new = _fresh(old, rng, words)
+        while new in used:
+            new = _fresh(old, rng, words)
+        mapping[old] = new
+        used.add(new)
+    return mapping
+
+
+def renamed(text: str, mapping: dict[str, str]) -> str:
+    """``text`` with its name tokens renamed by ``mapping`` (strings and comments as
+    they were)."""
+    lines = text.splitlines(keepends=True)
+    for token in reversed(_names(text) or []):
+        if token.string in mapping:
+            row, col = token.start
+            line = lines[row - 1]
+            lines[row - 1] = line[:col] + mapping[token.string] + line[token.end[1] :]
+    return "".join(lines)
 
 
 def _layout(rng: random.Random, package: str, module: str) -> tuple[str, str]:
@@ -314,15 +380,17 @@ def _attempt(
     if name in (package, module):
         return None
     path, test_path = _layout(rng, package, module)
-    base_function = _renamed(target.text, target.name, name)
-    bugged_function = _renamed(bugged.rstrip("\n"), target.name, name)
     others = [f.text for f in rng.sample(functions, rng.randint(*NEIGHBOURS)) if f is not target]
     at = rng.randint(0, len(others))
     header = "\n".join(f"import {m}" for m in sorted(rng.sample(_IMPORTS, 2)))
     before = [header, *others[:at]]
     after = others[at:]
-    base = "\n\n\n".join([*before, base_function, *after]) + "\n"
-    bugged_module = "\n\n\n".join([*before, bugged_function, *after]) + "\n"
+    base = "\n\n\n".join([*before, target.text, *after]) + "\n"
+    mapping = renaming(base, rng, words, {target.name: name})
+    if mapping is None:
+        return None
+    bugged_module = "\n\n\n".join([*before, bugged.rstrip("\n"), *after]) + "\n"
+    base, bugged_module = renamed(base, mapping), renamed(bugged_module, mapping)
     if len(re.findall(rf"def.{re.escape(name)}\(", bugged_module)) != 1:
         return None
     offset = ("\n\n\n".join(before) + "\n\n\n").count("\n")
@@ -340,6 +408,8 @@ def _attempt(
     if not cpu.MIN_SHOWN <= len(shown) <= cpu.MAX_SHOWN:
         return None
     test = f"{test_path}::test_{name}"
+    if rng.random() < CLASS_TEST_SHARE:
+        test = f"{test_path}::Test{_fresh('Case', rng, words)}::test_{name}"
     failing = [_parametrized(rng, test, words)]
     for _ in range(rng.randint(*FIRST_TESTS_EXTRA)):
         failing.append(
@@ -347,20 +417,24 @@ def _attempt(
         )
     message = rng.choice(MESSAGES).format(a=rng.randint(0, 20), b=rng.randint(0, 20))
     text = statement_text(package, failing, message if rng.random() < 0.9 else "")
-    files = {path: bugged_module, test_path: _test_file(name, path, base)}
+    files = {path: bugged_module, test_path: _test_file(test, path, base)}
     return InventedTask(files, path, base, name, test, text, fixes[0], tuple(shown))
 
 
-def _test_file(function: str, path: str, base: str) -> str:
-    """A test of ``function`` that passes exactly when the module is the unbugged one:
-    what the simulated shell decides a try by, for the real shell to run."""
+def _test_file(test: str, path: str, base: str) -> str:
+    """The test ``test`` (its id: ``file::test_f`` or ``file::TestC::test_f``), passing
+    exactly when the module is the unbugged one: what the simulated shell decides a try
+    by, for the real shell to run."""
     digest = hashlib.sha256(base.encode()).hexdigest()
-    return (
-        "import hashlib\nimport pathlib\n\n\n"
-        f"def test_{function}():\n"
-        f"    text = pathlib.Path({path!r}).read_bytes()\n"
-        f"    assert hashlib.sha256(text).hexdigest() == {digest!r}\n"
-    )
+    *classes, function = test.split("::")[1:]
+    body = [
+        f"def {function}({'self' if classes else ''}):",
+        f"    text = pathlib.Path({path!r}).read_bytes()",
+        f"    assert hashlib.sha256(text).hexdigest() == {digest!r}",
+    ]
+    if classes:
+        body = [f"class {classes[0]}:", *(f"    {line}" for line in body)]
+    return "import hashlib\nimport pathlib\n\n\n" + "\n".join(body) + "\n"
 
 
 def simulated_read(path: str, module: str, function: str) -> str:

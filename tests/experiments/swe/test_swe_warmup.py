@@ -148,3 +148,54 @@ def test_the_probe_rewards_a_fix_and_only_a_fix(
         seen["fixed untested" if first_is_fix else "missed untested"] += 1
     wrong = probe.episode(task, replying(["cat /etc/passwd"] * 6))
     assert (wrong["reward"], wrong["read"], wrong["submitted"]) == (0.0, False, False)
+
+
+def test_renaming_changes_every_pooled_name_but_the_kept_ones_and_nothing_else(
+    functions: tuple[invented.Pooled, ...], words: tuple[str, ...]
+) -> None:
+    import builtins
+    import io
+    import keyword
+    import tokenize
+
+    def tokens(text: str) -> list[tuple[int, str]]:
+        found = tokenize.generate_tokens(io.StringIO(text).readline)
+        return [(t.type, t.string) for t in found]
+
+    def kept(name: str) -> bool:
+        dunder = name.startswith("__") and name.endswith("__")
+        return keyword.iskeyword(name) or name in {"self", "os", "re", *dir(builtins)} or dunder
+
+    rng = random.Random(13)
+    for pooled in functions[:80]:
+        mapping = invented.renaming(pooled.text, rng, words, {pooled.name: "fixed_name"})
+        assert mapping is not None and mapping[pooled.name] == "fixed_name"
+        new = invented.renamed(pooled.text, mapping)
+        compile(new, "f.py", "exec")
+        before, after = tokens(pooled.text), tokens(new)
+        assert [t for t, _ in before] == [t for t, _ in after]  # the same code, renamed
+        for (kind, old), (_, now) in zip(before, after, strict=True):
+            if kind != tokenize.NAME:
+                assert now == old
+            elif old == pooled.name:  # fixed, whatever it is (fnmatch's filter)
+                assert now == "fixed_name"
+            elif kept(old) or len(old) <= 2:
+                assert now == old
+            else:
+                assert now == mapping[old] != old
+        assert len(set(mapping.values())) == len(mapping)  # two names stay two
+
+
+def test_a_test_in_a_class_is_run_by_its_id(
+    functions: tuple[invented.Pooled, ...], words: tuple[str, ...], tmp_path: Path
+) -> None:
+    rng = random.Random(17)
+    task = invented.invented_task(rng, functions, words)
+    while task.test.count("::") != 2 or not warmup.playable(task):
+        task = invented.invented_task(rng, functions, words)
+    assert f"`{task.test}" in task.statement
+    real = _written(task, tmp_path)
+    shell = warmup.SimulatedShell(task)
+    for command in warmup.plan(task, tested=True):
+        assert shell.run(command) == _bash(command, real), command
+    assert shell.files[task.module] == task.base == (real / task.module).read_text()
