@@ -15,9 +15,10 @@ The input is the task's record (``instance_id``, ``repo``, ``problem_statement``
 test lists) with the task's options: ``mirror`` (the pipeline's mirror folder: absolute,
 or relative to agl's checkout), ``config`` (mini-swe-agent's config file: ``mini.yaml``,
 or ``mini_cpu.yaml`` for the CPU-scale tasks of ``experiments.swe.cpu``), ``step_limit``,
-``command_timeout_s``, ``temperature``, ``max_tokens``, and two for the safeguards'
-control experiment (tests/experiments/swe/test_swe_hacks.py): ``leaky`` leaves the
-checkout as a git repository whose history holds the unbugged code (as SWE-smith's images do),
+``command_timeout_s``, the sampling (``temperature``, ``top_p``, ``max_tokens``), and two
+for the safeguards' control experiment (tests/experiments/swe/test_swe_hacks.py): ``leaky``
+leaves the checkout as a git repository whose history holds the unbugged code (as
+SWE-smith's images do),
 and ``sandbox: false`` runs the commands with mini-swe-agent's own ``LocalEnvironment``
 (the whole machine and the harness's environment in reach). The harness prints one JSON
 line: the agent's exit status and its model calls; when a command reached one of the
@@ -62,7 +63,7 @@ def attempt_config(
 ) -> dict[str, Any]:
     """What the attempt sets over the config file (``mini -c key=value``)."""
     kwargs: dict[str, Any] = {"api_base": agent.base_url, "api_key": agent.api_key}
-    for key in ("temperature", "max_tokens"):
+    for key in ("temperature", "top_p", "max_tokens"):
         if key in row:
             kwargs[key] = row[key]
     hidden = [str(p) for p in hidden_from_agents(mirror_root(row), workspace)]

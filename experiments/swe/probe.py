@@ -14,6 +14,8 @@ Per task it reports the reward, whether the agent tested (a try command), its ca
 format errors; and the reward of the rollouts that tested and of those that did not.
 ``--invented N`` probes N fresh invented tasks instead: what the warm-up taught on its
 own distribution (a gap to the real tasks is a transfer problem, none a learning one).
+``--temperature`` and ``--top-p`` set the sampled rollouts' (what a run's
+``task.sampling`` would be; the trainer scores the same transformed distribution).
 
     python -m experiments.swe.probe --seed 0 --tasks data/swe_cpu/3-split/test.jsonl \\
         --mirror data/swe_cpu/mirror --samples 4
@@ -89,10 +91,10 @@ class ProbeShell(SimulatedShell):
             return 127, ""
 
 
-def sampler(model: Any, tokenizer: Any, temperature: float) -> Reply:
+def sampler(model: Any, tokenizer: Any, temperature: float, top_p: float = 1.0) -> Reply:
     """The model as mini-swe-agent's ``reply``: HF ``generate``, greedy at 0."""
     sampling: dict[str, Any] = (
-        {"do_sample": True, "temperature": temperature, "top_k": 0}
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": top_p}
         if temperature > 0
         else {"do_sample": False}
     )
@@ -159,7 +161,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--pins", type=Path, default=Path("experiments/swe/warmups"))
     parser.add_argument("--tasks", type=Path, default=Path("data/swe_cpu/3-split/test.jsonl"))
     parser.add_argument("--mirror", type=Path, default=Path("data/swe_cpu/mirror"))
-    parser.add_argument("--samples", type=int, default=4, help="rollouts a task at T = 1")
+    parser.add_argument("--samples", type=int, default=4, help="sampled rollouts a task")
+    parser.add_argument("--temperature", type=float, default=1.0, help="the sampled rollouts'")
+    parser.add_argument("--top-p", type=float, default=1.0, help="the sampled rollouts'")
     parser.add_argument(
         "--invented", type=int, default=0, help="N fresh invented tasks instead of --tasks"
     )
@@ -174,11 +178,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.invented
         else [real_task(i, args.mirror.resolve()) for i in read_instances([args.tasks])]
     )
-    for label, temperature, k in (("greedy", 0.0, 1), ("T = 1", 1.0, args.samples)):
-        reply = sampler(loaded.model, loaded.tokenizer, temperature)
+    sampled = f"T = {args.temperature:g}" + (f", top-p {args.top_p:g}" if args.top_p < 1 else "")
+    for label, temperature, k in (("greedy", 0.0, 1), (sampled, args.temperature, args.samples)):
+        reply = sampler(loaded.model, loaded.tokenizer, temperature, args.top_p)
         rows = [episode(task, reply) for task in tasks for _ in range(k)]
         figures = summary(rows)
-        print(f"{label:8s}", "  ".join(f"{key} {value:.2f}" for key, value in figures.items()))
+        print(f"{label:14s}", "  ".join(f"{key} {value:.2f}" for key, value in figures.items()))
 
 
 if __name__ == "__main__":

@@ -125,3 +125,17 @@ def test_the_harness_imports_no_litellm() -> None:
         env={"MSWEA_SILENT_STARTUP": "1", "PATH": "/usr/bin:/bin"},
     )
     assert done.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_the_tasks_sampling_reaches_every_call_of_the_attempt(tmp_path: Path) -> None:
+    from agl.agent import AgentContext
+    from experiments.swe.harness import attempt_config
+
+    agent = AgentContext("http://127.0.0.1:1", "r1", 0, "train", "policy", "key", {})
+    row = {"mirror": str(tmp_path), "temperature": 0.7, "top_p": 0.9, "max_tokens": 320}
+    kwargs = attempt_config(agent, row, tmp_path / "w", None)["model"]["model_kwargs"]
+    assert (kwargs["temperature"], kwargs["top_p"], kwargs["max_tokens"]) == (0.7, 0.9, 320)
+    assert (
+        "top_p"
+        not in attempt_config(agent, {"mirror": "m"}, tmp_path, None)["model"]["model_kwargs"]
+    )
