@@ -164,7 +164,7 @@ MODULES = (
 )
 MIN_LINES, MAX_LINES = 4, 40  # a pooled function's length
 NEIGHBOURS = (2, 8)  # other pooled functions in an invented module
-FIRST_TESTS_EXTRA = (0, 2)  # other failing tests the statement lists
+FIRST_TESTS_EXTRA = (0, 4)  # other failing tests (the statement lists 3, then "and N more")
 CLASS_TEST_SHARE = 0.15  # tests in a class (``path::TestCustomMapping::test_f``), as toolz's
 _IMPORTS = ("os", "re", "sys", "itertools", "functools", "collections")
 # names an invented module keeps: what real code of any project calls by the same name
@@ -412,13 +412,25 @@ def _attempt(
         test = f"{test_path}::Test{_fresh('Case', rng, words)}::test_{name}"
     failing = [_parametrized(rng, test, words)]
     for _ in range(rng.randint(*FIRST_TESTS_EXTRA)):
-        failing.append(
-            _parametrized(rng, f"{test_path}::test_{invented_identifier(rng, words)}", words)
-        )
+        failing.append(_parametrized(rng, _other_test(rng, test, words), words))
     message = rng.choice(MESSAGES).format(a=rng.randint(0, 20), b=rng.randint(0, 20))
     text = statement_text(package, failing, message if rng.random() < 0.9 else "")
     files = {path: bugged_module, test_path: _test_file(test, path, base)}
     return InventedTask(files, path, base, name, test, text, fixes[0], tuple(shown))
+
+
+def _other_test(rng: random.Random, test: str, words: tuple[str, ...]) -> str:
+    """Another failing test beside ``test``, as real projects name theirs: the same test in
+    another class (toolz's ``TestDict::test_dissoc`` beside ``TestCustomMapping::``), a
+    test whose name extends the function's (``test_memoize_curry_cache`` beside
+    ``test_memoize``: a copy of the name must stop where it ends), or another one."""
+    path, *classes, function = test.split("::")
+    draw = rng.random()
+    if classes and draw < 0.7:
+        return f"{path}::Test{_fresh('Case', rng, words)}::{function}"
+    if draw < 0.5:
+        return f"{path}::{function}_{invented_identifier(rng, words)}"
+    return f"{path}::test_{invented_identifier(rng, words)}"
 
 
 def _test_file(test: str, path: str, base: str) -> str:

@@ -79,6 +79,9 @@ def test_a_task_is_fresh_and_its_fix_is_among_the_first_tries(
         assert cpu.apply(task.fix, task.files[task.module]) == task.base
         assert task.statement.startswith("Since the last change to ")
         assert f"`{task.test}" in task.statement  # first, with its parameters if any
+    # as real statements do, some list a test whose name runs on past the function's
+    extended = [t for t in tasks if f"::test_{t.function}_" in t.statement]
+    assert len(extended) >= 20
 
 
 def test_episodes_are_mini_swe_agents_calls_one_row_each(
