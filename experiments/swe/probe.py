@@ -11,7 +11,9 @@ then, for these one-line bugs). It is a probe, not the measure: the run's step-0
 validation is, through the gateway, the jail and the grader.
 
 Per task it reports the reward, whether the agent tested (a try command), its calls and
-format errors; and the reward of the rollouts that tested and of those that did not.
+format errors; the reward of the rollouts that tested and of those that did not; and how
+often each part an edit copies was right (``edit_parts``: the function's name, the path,
+the site, a try's test), which says where the copies fail.
 ``--invented N`` probes N fresh invented tasks instead: what the warm-up taught on its
 own distribution (a gap to the real tasks is a transfer problem, none a learning one).
 ``--temperature`` and ``--top-p`` set the sampled rollouts' (what a run's
@@ -47,6 +49,8 @@ from experiments.swe.invented import (
 from experiments.swe.warmup import TRY, Reply, SimulatedShell, play, playable
 
 _READ = re.compile(r"^grep -rn -A \d+ 'def\.(\w+)\(' \. \| grep -E ")
+_ANY_EDIT = re.compile("^" + cpu.EDIT_FORM.format(backup=f"(?:{re.escape(cpu.BACKUP)})?"))
+PARTS = ("name", "path", "site", "test")  # what an edit copies (``edit_parts``)
 MAX_TOKENS = 320  # conf/task/swe_cpu.yaml's sampling.max_tokens
 
 
@@ -114,6 +118,25 @@ def sampler(model: Any, tokenizer: Any, temperature: float, top_p: float = 1.0) 
     return generated
 
 
+def edit_parts(task: InventedTask, command: str) -> dict[str, bool] | None:
+    """Which parts of an edit (tried or not) are right: the function's name in its range,
+    the path, the site (one of the read's candidate edits, ``cpu.tries``) and, for a try,
+    the test it runs; None when ``command`` is no edit. Where a policy's edits go wrong."""
+    found = _ANY_EDIT.match(command)
+    if found is None:
+        return None
+    candidates = {(f.pattern, f.replacement) for f in cpu.tries(task.function, task.shown)}
+    site = (found["pattern"], found["replacement"])
+    parts = {
+        "name": found["function"] == task.function,
+        "path": found["path"] == task.module,
+        "site": found["end"] == found["pattern"] and site in candidates,
+    }
+    if tried := TRY.match(command):
+        parts["test"] = tried["test"] == task.test
+    return parts
+
+
 def episode(task: InventedTask, reply: Reply) -> dict[str, Any]:
     """One rollout of ``task`` by ``reply`` through mini-swe-agent in the probe's shell."""
     shell = ProbeShell(task)
@@ -122,6 +145,7 @@ def episode(task: InventedTask, reply: Reply) -> dict[str, Any]:
         m.get("role") == "user" and str(m.get("content", "")).startswith("Format error")
         for m in played.messages
     )
+    edits = [p for p in (edit_parts(task, c) for c in played.commands) if p is not None]
     return {
         "reward": float(shell.files[task.module] == task.base),
         "tested": any(TRY.match(c) for c in played.commands),
@@ -129,6 +153,9 @@ def episode(task: InventedTask, reply: Reply) -> dict[str, Any]:
         "calls": len(played.calls),
         "format_errors": errors,
         "submitted": played.result.get("exit_status") == "Submitted",
+        "edits": len(edits),
+        "tries": sum("test" in e for e in edits),
+        **{f"{part} right": sum(bool(e.get(part)) for e in edits) for part in PARTS},
     }
 
 
@@ -146,10 +173,14 @@ def invented_tasks(n: int, seed: int) -> list[InventedTask]:
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Means over rollouts; a part's share right over all edits (the test's: over tries)."""
     n = len(rows)
     tested = [r for r in rows if r["tested"]]
     untested = [r for r in rows if not r["tested"]]
     out = {key: sum(float(r[key]) for r in rows) / n for key in rows[0]}
+    for part in PARTS:
+        over = sum(r["tries" if part == "test" else "edits"] for r in rows)
+        out[f"{part} right"] = sum(r[f"{part} right"] for r in rows) / over if over else 0.0
     out["reward if tested"] = sum(r["reward"] for r in tested) / len(tested) if tested else 0.0
     out["reward if not"] = sum(r["reward"] for r in untested) / len(untested) if untested else 0.0
     return out

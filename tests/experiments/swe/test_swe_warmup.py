@@ -144,11 +144,20 @@ def test_the_probe_rewards_a_fix_and_only_a_fix(
             continue
         tested = probe.episode(task, replying(warmup.plan(task, tested=True)))
         assert (tested["reward"], tested["tested"], tested["submitted"]) == (1.0, True, True)
+        tries = len(warmup.plan(task, tested=True)) - 1
+        assert tested["edits"] == tested["tries"] == tries
+        assert all(tested[f"{part} right"] == tries for part in probe.PARTS)
         untested = probe.episode(task, replying(warmup.plan(task, tested=False)))
         first_is_fix = cpu.tries(task.function, task.shown)[0] == task.fix
         assert untested["reward"] == float(first_is_fix)
         assert not untested["tested"] and untested["submitted"]
         seen["fixed untested" if first_is_fix else "missed untested"] += 1
+    fix = task.fix
+    miscopied = cpu.try_command(
+        cpu.Fix(fix.path, fix.function + "_x", fix.pattern, fix.replacement), task.test + "_x"
+    )
+    parts = probe.edit_parts(task, miscopied)
+    assert parts == {"name": False, "path": True, "site": True, "test": False}
     wrong = probe.episode(task, replying(["cat /etc/passwd"] * 6))
     assert (wrong["reward"], wrong["read"], wrong["submitted"]) == (0.0, False, False)
 
