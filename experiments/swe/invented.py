@@ -281,8 +281,7 @@ def _fresh(old: str, rng: random.Random, words: tuple[str, ...]) -> str:
     """An invented name in ``old``'s style: its leading underscores, CamelCase or
     UPPER_CASE where it is, one word for a short name (``seq``, ``key``)."""
     core = old.lstrip("_")
-    count = 1 if len(core) <= 6 else rng.choice((1, 2, 2, 3))
-    new = "_".join(rng.choice(words) for _ in range(count))
+    new = rng.choice(words) if len(core) <= 6 else invented_identifier(rng, words)
     if core.isupper():
         new = new.upper()
     elif core[:1].isupper():
