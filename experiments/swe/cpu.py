@@ -7,9 +7,10 @@ The command forms here are what its warm-up teaches (``experiments.swe.warmup``)
 what a task must be fixable with, each run for real on the bugged checkout when a task
 is made (``readable``):
 
-- ``read_command(f)``: the lines of ``f``'s first ``WINDOW`` lines after its ``def`` that
-  hold a site of the three kinds (a comparison, a ``return True``/``False``, a call of
-  two plain arguments), as ``grep -rn -A`` prints them: ``./path-LINE-text``;
+- ``read_command(f)``: the file that defines ``f`` (``grep -rl``), then every site of the
+  three kinds (a comparison, a ``return True``/``False``, a call of two plain arguments)
+  in the ``WINDOW`` lines after ``f``'s ``def``, one a line, as ``grep -o`` prints
+  them (`` is not ``, `` reduce(binop, seq``), in the order of the code;
 - ``edit_command(fix)``: ``sed -i '/def.f(/,/PATTERN/s/PATTERN/REPLACEMENT/' ./PATH``,
   the first line after ``f``'s ``def`` that holds the site edited;
 - ``try_command(fix, test)``: the edit (with sed's backup), the failing test, and on a
@@ -21,25 +22,28 @@ is made (``readable``):
 What the agent writes is copied from where it has seen it, each copy following the
 same text there as here, which is how a 2-layer model copies (an induction head: the
 token after the last match of the one before): the function's name after ``def.``
-(``::test_name`` in the statement, then its own read), the path after ``./``, the test
-id after ``./`` (`` `id` `` in the statement), the operator or the call from the read's
-line with the mark before it (`` == ``, `` reduce(``, ``.get(``). No line number: the
-first warm-up taught the line number's copy from ``./path-57-`` into ``'57s`` to no
-seed (the model wrote numbers it had seen nowhere), as the copy follows other text
-there than here; the range from the ``def`` to the site's first line finds the line.
-With a space before it a name is other tokens of the tiny BPE than after a mark (the
-warmed model wrote names it had never seen), hence ``def.`` and ``./``.
+(``::test_name`` in the statement, then its own read), the path after ``./`` (the read's
+first line), the test id after ``./`` (`` `id` `` in the statement). A site starts its
+line of the read's output, so the first try copies the observation's first site and
+each later try the next one. The seed-0 pin that read whole lines (``./path-N-text``)
+wrote the right site in 1 edit of 7 at T = 1: the site followed a variable's name there
+and ``/,/`` in the ``sed``, no text before it the same, and the model wrote the operators
+it had seen most instead. No line number: the first warm-up taught the line number's
+copy from ``./path-57-`` into ``'57s`` to no seed (the model wrote numbers it had seen
+nowhere), as the copy follows other text there than here; the range from the ``def`` to
+the site's first line finds the line. With a space before it a name is other tokens of
+the tiny BPE than after a mark (the warmed model wrote names it had never seen), hence
+``def.`` and ``./``.
 
 The kinds are the three whose change undoes itself, so the fix can be read off the
 bugged line (``flip_comparison``, ``change_return`` between ``True`` and ``False``,
 ``swap_arguments`` of two plain names). A task qualifies (``readable``) when its function
 ``f`` is a module's top-level function, defined once in the checkout; the project has a
-test named ``test_f``; the read prints ``MIN_SHOWN``..``MAX_SHOWN`` lines, the bug's among
-them; the canonical fix (``canonical_fix``: the first line after the ``def`` with its site
-is the bug's) run on the bugged file gives back the base file byte for byte; and it is
-among the first ``MAX_TRIES`` edits ``tries`` lists. Which
-shown line is the bug cannot be known without running the test: that is what the agent
-can learn.
+test named ``test_f``; the read prints ``MIN_SHOWN``..``MAX_SHOWN`` sites; the canonical
+fix (``canonical_fix``: the first line after the ``def`` with its site is the bug's) run
+on the bugged file gives back the base file byte for byte; and it is among the first
+``MAX_TRIES`` edits ``tries`` lists. Which shown site is the bug cannot be known without
+running the test: that is what the agent can learn.
 """
 
 from __future__ import annotations
@@ -56,20 +60,22 @@ from experiments.swe.mutations import Mutation
 
 KINDS = ("flip_comparison", "change_return", "swap_arguments")
 WINDOW = 12  # lines after the def the read looks at
-MIN_SHOWN, MAX_SHOWN = 2, 6  # lines a qualifying read prints (one would name the bug)
+MIN_SHOWN, MAX_SHOWN = 2, 6  # sites a qualifying read prints (one would name the bug)
 MAX_TRIES = 4  # the fix is among the first of the read's candidate edits (``tries``)
 SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 # a site of the three kinds: a comparison operator between spaces, a bool return, a call
-# whose first two arguments are plain names
+# whose first two arguments are plain names with the mark before its name (what a swap's
+# pattern starts with). No plain " in ": out of its line a for clause's looks the same.
 SITES = (
-    r"' [<>]=? | [=!]= | (not )?in | is (not )?|return (True|False)"
-    r"|\w\([[:alnum:]_.]+, [[:alnum:]_.]+'"
+    r"' [<>]=? | [=!]= | not in | is (not )?|return (True|False)"
+    r"|[ .(]?\w+\([[:alnum:]_.]+, [[:alnum:]_.]+'"
 )
 # SITES as Python reads it, for what simulates the read (experiments.swe.invented); grep's
-# \w and [[:alnum:]] on the ASCII code here
+# \w and [[:alnum:]] on the ASCII code here. grep -o takes the longest match at the
+# leftmost place, Python the first alternative's: no two alternatives match at one place.
 SITE_PATTERN = re.compile(
-    r" [<>]=? | [=!]= | (not )?in | is (not )?|return (True|False)"
-    r"|\w\([A-Za-z0-9_.]+, [A-Za-z0-9_.]+",
+    r" [<>]=? | [=!]= | not in | is (not )?|return (True|False)"
+    r"|[ .(]?\w+\([A-Za-z0-9_.]+, [A-Za-z0-9_.]+",
     re.ASCII,
 )
 # the operators flip_comparison turns around, longest first (" not in " holds " in ")
@@ -94,15 +100,14 @@ BACKUP = ".orig"  # the suffix of a try's backup (sed -i.orig), which a failed t
 # characters that would make a sed pattern or replacement mean more than its text (a
 # "." may match another character: the real sed's result is checked against the base)
 _SED_SPECIAL = set("[]*^$\\/&")
-_SHOWN = re.compile(r"^\./(.+?)-(\d+)-(.*)$")
+_PATH = re.compile(r"^\./(\S+)$")
 
 
 @dataclass(frozen=True)
 class Shown:
-    """One line a read prints: its file (checkout-relative), number and text."""
+    """One site a read prints (``text``) and the file it is in (checkout-relative)."""
 
     path: str
-    line: int
     text: str
 
 
@@ -121,7 +126,10 @@ class Fix:
 def read_command(function: str) -> str:
     # "def." (the dot matches the space): the name then follows a punctuation mark, as in
     # the test id it is copied from (``::test_name``), and is split into the same tokens
-    return f"grep -rn -A {WINDOW} 'def.{function}(' . | grep -E {SITES}"
+    # tail: the def's own line is no site (its parameters, not a call)
+    defined = f"'def.{function}(' ."
+    window = f"grep -rh -A {WINDOW} {defined} | tail -n +2"
+    return f"grep -rl {defined}; {window} | grep -oE {SITES}"
 
 
 def _script(fix: Fix) -> str:
@@ -172,9 +180,13 @@ def submit_command(fix: Fix) -> str:
 
 
 def parse_shown(output: str) -> list[Shown]:
-    """The lines a read printed (context lines of ``grep -A``: ``./path-N-text``)."""
-    found = [_SHOWN.match(line) for line in output.splitlines()]
-    return [Shown(m[1], int(m[2]), m[3]) for m in found if m]
+    """The sites a read printed, after the one file it names (none when it names no file
+    or several)."""
+    lines = output.splitlines()
+    found = _PATH.match(lines[0]) if lines else None
+    if found is None:
+        return []
+    return [Shown(found[1], text) for text in lines[1:]]
 
 
 def plain(text: str) -> bool:
@@ -216,10 +228,10 @@ def fixes_for(kind: str, text: str) -> list[tuple[str, str]]:
 
 
 def tries(function: str, shown: Sequence[Shown]) -> list[Fix]:
-    """Every candidate fix of the lines a read of ``function`` showed, in the order the
-    warm-up's player tries them: line by line, each line's edits of each kind
-    (``fixes_for``), each once (a line's edit that an earlier line's repeats would change
-    the earlier line)."""
+    """Every candidate fix of the sites a read of ``function`` showed, in the order the
+    warm-up's player tries them: site by site, each site's edits of each kind
+    (``fixes_for``), each once (a site's edit that an earlier one's repeats would change
+    the earlier site)."""
     found: list[Fix] = []
     for s in shown:
         for kind in KINDS:
@@ -356,9 +368,7 @@ def readable(mutation: Mutation, base: Path, tests: Sequence[str]) -> Readable |
         return f"def.{function}( is in the checkout {len(defs)} times"
     shown = parse_shown(output)
     if not MIN_SHOWN <= len(shown) <= MAX_SHOWN:
-        return f"the read shows {len(shown)} lines"
-    if (mutation.path, bug_line(mutation, source)) not in {(s.path, s.line) for s in shown}:
-        return "the read does not show the bug"
+        return f"the read shows {len(shown)} sites"
     if not undone:
         return "the fix does not give back the base"
     if canonical not in tries(function, shown)[:MAX_TRIES]:

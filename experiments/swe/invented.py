@@ -401,8 +401,7 @@ def _attempt(
     candidates = cpu.tries(name, shown)[: cpu.MAX_TRIES]
     fixes = [f for f in candidates if cpu.apply(f, bugged_module) == base]
     changed = [i for i, (a, b) in enumerate(zip(base_lines, bugged_lines, strict=True)) if a != b]
-    shows_bug = bug_line in {s.line for s in shown}
-    if changed != [bug_line - 1] or not fixes or not shows_bug:
+    if changed != [bug_line - 1] or not fixes:
         return None
     if not cpu.MIN_SHOWN <= len(shown) <= cpu.MAX_SHOWN:
         return None
@@ -450,17 +449,13 @@ def _test_file(test: str, path: str, base: str) -> str:
 
 def simulated_read(path: str, module: str, function: str) -> str:
     """``cpu.read_command(function)``'s output over a checkout whose only match of
-    ``def.function(`` is in ``module`` at ``path``: ``grep -rn -A`` then ``grep -E`` (the
-    matching lines with ``:``, the lines after them with ``-``)."""
+    ``def.function(`` is in ``module`` at ``path``: ``grep -rl``'s file, then ``grep -o``'s
+    sites in the lines ``grep -A`` prints after the ``def``."""
     lines = module.splitlines()
     pattern = re.compile(rf"def.{re.escape(function)}\(")
-    out = []
     for i, text in enumerate(lines):
-        if not pattern.search(text):
-            continue
-        for j in range(i, min(i + cpu.WINDOW + 1, len(lines))):
-            sep = ":" if pattern.search(lines[j]) else "-"
-            if cpu.SITE_PATTERN.search(lines[j]):
-                out.append(f"./{path}{sep}{j + 1}{sep}{lines[j]}\n")
-        break
-    return "".join(out)
+        if pattern.search(text):
+            window = lines[i + 1 : i + cpu.WINDOW + 1]
+            sites = [m[0] for line in window for m in cpu.SITE_PATTERN.finditer(line)]
+            return "".join(f"{line}\n" for line in [f"./{path}", *sites])
+    return ""

@@ -48,7 +48,7 @@ from experiments.swe.invented import (
 )
 from experiments.swe.warmup import TRY, Reply, SimulatedShell, play, playable
 
-_READ = re.compile(r"^grep -rn -A \d+ 'def\.(\w+)\(' \. \| grep -E ")
+_READ = re.compile(r"^grep -rl 'def\.(\w+)\(' \.; ")
 _ANY_EDIT = re.compile("^" + cpu.EDIT_FORM.format(backup=f"(?:{re.escape(cpu.BACKUP)})?"))
 PARTS = ("name", "path", "site", "test")  # what an edit copies (``edit_parts``)
 MAX_TOKENS = 320  # conf/task/swe_cpu.yaml's sampling.max_tokens
@@ -88,7 +88,7 @@ class ProbeShell(SimulatedShell):
                 return 127, ""
             path = self.task.module
             output = simulated_read(path, self.files[path], found[1])
-            return (0 if output else 1), output
+            return (0 if cpu.parse_shown(output) else 1), output  # the last grep's
         try:
             return super().run(command)
         except (ValueError, IndexError):

@@ -15,6 +15,7 @@ import pytest
 from agl.sandbox.launch import unavailable
 from experiments.swe import cpu, harness, mirror, pipeline, scripted, selection
 from experiments.swe.instances import Instance, read_instances
+from experiments.swe.invented import simulated_read
 from experiments.swe.mutations import mutations
 from experiments.swe.sandbox import ROOT
 from experiments.swe.stages import INSTANCES
@@ -37,7 +38,7 @@ MODULE = textwrap.dedent(
 
 
     def is_hidden(name):
-        if name in ('.', '..'):
+        if name == '.' or name == '..':
             return False
         return name.startswith('.')
 
@@ -82,34 +83,47 @@ def _bash(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_read_shows_the_site_lines_after_the_def_with_their_numbers(tmp_path: Path) -> None:
+def test_the_read_shows_the_file_then_the_sites_after_the_def(tmp_path: Path) -> None:
     checkout = _checkout(tmp_path)
-    shown = cpu.parse_shown(cpu.run_read(checkout, "clamp"))
-    # the window runs into the next function: its sites are decoys, as in real code
-    assert [(s.path, s.line) for s in shown] == [("pkg/mod.py", n) for n in (6, 8, 10, 11, 16)]
-    assert shown[0].text == "    if value < low:"
-    # the def itself is printed with ':' and is no candidate; assignments are not sites
-    assert "./pkg/mod.py:4:def clamp(" in cpu.run_read(checkout, "clamp")
-    assert all("total = 0" not in s.text for s in shown)
+    output = cpu.run_read(checkout, "clamp")
+    # the window runs into the next function: its sites are decoys, as in real code; the
+    # def's own parameters, assignments and a for clause's " in " are no sites
+    assert output == "./pkg/mod.py\n < \n >= \n max(total, item\n == \n == \n"
+    assert cpu.parse_shown(output) == [
+        cpu.Shown("pkg/mod.py", s) for s in (" < ", " >= ", " max(total, item", " == ", " == ")
+    ]
+    # what simulates it (the warm-up's shell, the probe) prints the same
+    assert simulated_read("pkg/mod.py", MODULE, "clamp") == output
+    joined = cpu.run_read(checkout, "joined")
+    assert (
+        joined
+        == simulated_read("pkg/mod.py", MODULE, "joined")
+        == "./pkg/mod.py\n.join(head, tail\n"
+    )
+    assert cpu.parse_shown(cpu.run_read(checkout, "absent")) == []
 
 
-def test_the_candidate_edits_follow_the_lines_and_skip_what_sed_would_misplace() -> None:
-    def edits(*texts: str) -> list[tuple[str, str]]:
-        shown = [cpu.Shown("m.py", n, text) for n, text in enumerate(texts, 1)]
-        return [(f.pattern, f.replacement) for f in cpu.tries("f", shown)]
+def test_the_candidate_edits_follow_the_sites_and_skip_what_sed_would_misplace() -> None:
+    def edits(*sites: str) -> list[tuple[str, str]]:
+        return [
+            (f.pattern, f.replacement)
+            for f in cpu.tries("f", [cpu.Shown("m.py", s) for s in sites])
+        ]
 
     swap = cpu.fixes_for("swap_arguments", "f(a, b)")[0][0].removeprefix("f(")
-    assert edits("    if a not in b:") == [(" not in ", " in ")]
-    assert edits("    if a is not None:") == [(" is not ", " is ")]
-    assert edits("    for x in seq:") == []  # a for clause's in is no comparison
-    assert edits("    return [x for x in s if x in t]") == []  # sed would hit the first in
-    assert edits("    return False") == [("return False", "return True")]
+    assert edits(" not in ") == [(" not in ", " in ")]
+    assert edits(" is not ") == [(" is not ", " is ")]
+    assert edits("return False") == [("return False", "return True")]
     # the mark before the call's name kept, as the read shows it
-    assert edits("    return f(a, b.c)") == [(f" f({swap}", " f(\\2, \\1")]
-    assert edits("    x = self.get(a, b)") == [(f".get({swap}", ".get(\\2, \\1")]
-    assert edits("    if a < b and c == d:") == [(" == ", " != "), (" < ", " >= ")]
-    # the same site on a later line is the earlier line's edit: listed once
-    assert edits("    if a < b:", "    if c < d:") == [(" < ", " >= ")]
+    assert edits(" f(a, b.c") == [(f" f({swap}", " f(\\2, \\1")]
+    assert edits(".get(a, b") == [(f".get({swap}", ".get(\\2, \\1")]
+    assert edits(" < ", " == ") == [(" < ", " >= "), (" == ", " != ")]
+    # the same site later is the earlier one's edit: listed once
+    assert edits(" < ", " < ") == [(" < ", " >= ")]
+    # on a whole line (the canonical fix's), a for clause's in is no comparison, and an
+    # in that sed would find after a for clause's is none either
+    assert cpu.fixes_for("flip_comparison", "    for x in seq:") == []
+    assert cpu.fixes_for("flip_comparison", "    return [x for x in s if x in t]") == []
 
 
 def test_every_canonical_fix_gives_back_the_base_with_the_real_sed(tmp_path: Path) -> None:
@@ -182,7 +196,7 @@ def test_a_bug_qualifies_only_when_read_and_fix_work(tmp_path: Path) -> None:
     swap = by_label["swap_arguments:joined:22"]
     assert cpu.readable(swap, base, tests) == "no test named test_joined"
     with_test = [*tests, "pkg/tests/test_mod.py::test_joined[a-b]"]  # parameters or not
-    assert cpu.readable(swap, base, with_test) == "the read shows 1 lines"
+    assert cpu.readable(swap, base, with_test) == "the read shows 1 sites"
     other = next(m for m in mutations(MODULE, "pkg/mod.py", ("off_by_one",)))
     assert cpu.readable(other, base, tests) == "kind off_by_one is not read off a line"
 
