@@ -12,7 +12,11 @@ learn is to ignore the feedback and guess uniformly: random play (1 - (7/8)^3 â‰
 Before the games, the model learns to *copy* (an induction phase: random token strings
 written twice, loss on the repeat; Olsson et al., 2022), a skill, not a strategy: a
 pretrained model has it, the random tiny one does not, and RL cannot use the range the
-user states without it (NOTES.md: copying is the tiny model's bottleneck). The copying is
+user states without it: copying is the tiny model's bottleneck (measured on this
+project's 2-core machine, the tiny config, batch 32, lr 3e-3, greedy, 64 held-out names
+copied from a question into ``<search> NAME </search>``: trained on task transcripts
+alone, 31% at 900 steps and a 30% plateau by 1,500; after a 600-step induction phase, 84%
+at 900 task steps and 92% at 1,100). The copying is
 rehearsed through the game phase, which would otherwise erase it at once; the games
 still teach nothing but the format and a uniform guess.
 
@@ -51,8 +55,9 @@ LR = 5e-3
 # The probability of skipping each merge in a reply. 0.1 leaves ~11% of the training
 # replies noncanonical, and the warmed model samples about as many (README).
 DROPOUT = 0.1
-# The copying phase first (NOTES.md: exact copying is the tiny model's bottleneck; an
-# induction phase of random strings repeated once lifted a copy task from 30% to 90%).
+# The copying phase first (exact copying is the tiny model's bottleneck, the docstring's
+# measurement: an induction phase of random strings repeated once lifted a copy task from
+# 30% to 90%).
 # It teaches no game: the strings are random tokens, never a chat.
 INDUCTION_STEPS = 300
 INDUCTION_LR = 3e-3
