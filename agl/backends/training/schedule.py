@@ -8,7 +8,10 @@ How a training step is cut (the paper's "Training Backend Complexity", eq. 17):
 
 1. **Mini-batches.** A rollout's samples are one indivisible item (a rollout must be seen
    by one optimizer update, else its parts are scored under different policy versions).
-   Rollouts are split into ``num_mini_batches`` groups of balanced workload.
+   Rollouts are split into ``num_mini_batches`` groups of balanced workload, or into one
+   per rollout when fewer rollouts made samples (a rollout its agent failed before its
+   first model call enters the batch with no sample): a short step then takes fewer
+   updates rather than stopping the run.
 2. **Ranks.** Within a mini-batch, *samples* (not rollouts: any rank may take any sample,
    gradients are summed across ranks before the update) are split into ``ranks`` groups
    of balanced workload.
@@ -43,6 +46,7 @@ Invariants guaranteed by :func:`schedule` (asserted by
 ``tests/backends/training/test_schedule.py``):
   - every sample index appears in exactly one micro-batch of one rank of one mini-batch;
   - all samples of a rollout are in one mini-batch; every mini-batch has ≥ 1 rollout;
+  - there are ``min(num_mini_batches, rollouts)`` mini-batches;
   - **balance bound**, for mini-batches (items = rollouts) and, within each mini-batch, for
     ranks (items = samples): ``max part cost - min part cost ≤ max item cost``, hence
     ``max part cost ≤ mean part cost + (1 - 1/k) · max item cost`` for ``k`` parts.
@@ -353,15 +357,11 @@ def schedule(
     for i, s in enumerate(samples):
         by_rollout.setdefault(s.rollout_id, []).append(i)
     rollout_ids = list(by_rollout)
-    if len(rollout_ids) < num_mini_batches:
-        raise ValueError(
-            f"{len(rollout_ids)} rollouts cannot fill {num_mini_batches} mini-batches: a "
-            f"rollout is never split across optimizer updates, so each mini-batch needs at "
-            f"least one; set num_mini_batches <= {len(rollout_ids)} or collect more rollouts"
-        )
+    if not rollout_ids:
+        raise ValueError("no samples to schedule: a step with no sample has no update")
 
     rollout_costs = [sum(costs[i] for i in by_rollout[r]) for r in rollout_ids]
-    groups = balanced_partition(rollout_costs, num_mini_batches)
+    groups = balanced_partition(rollout_costs, min(num_mini_batches, len(rollout_ids)))
     groups.sort(key=lambda group: group[0])  # present updates in input order
     mini_batches = []
     for group in groups:

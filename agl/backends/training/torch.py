@@ -91,8 +91,9 @@ class TorchBackendConfig(LrSchedule, Guards):
     grad_clip: float = 1.0  # max grad norm; 0 = off
     clip_low: float = 0.2  # PPO ratio clip: [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.2
-    # Optimizer updates per train() call; every one after the first is off-policy, which
-    # is what the ratio clip is for.
+    # Optimizer updates per train() call (one per rollout when a step has fewer rollouts
+    # with samples); every one after the first is off-policy, which is what the ratio
+    # clip is for.
     num_mini_batches: int = 1
     # Packing cap (memory); gradients accumulate over the micro-batches of a mini-batch.
     max_tokens_per_micro_batch: int = 4096

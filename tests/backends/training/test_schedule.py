@@ -59,7 +59,8 @@ def problems(draw: st.DrawFn) -> tuple[list[Sample], dict[str, int]]:
     samples = draw(sample_sets())
     num_rollouts = len({s.rollout_id for s in samples})
     config = {
-        "num_mini_batches": draw(st.integers(1, min(4, num_rollouts))),
+        # More mini-batches than rollouts too: a step whose rollouts made no samples.
+        "num_mini_batches": draw(st.integers(1, num_rollouts + 2)),
         "ranks": draw(st.integers(1, 8)),
         # Small caps force oversize samples and many micro-batches; large ones, few.
         "max_tokens_per_micro_batch": draw(
@@ -94,6 +95,11 @@ def check_rollouts_whole(samples: list[Sample], plan: Schedule) -> None:
             {samples[i].rollout_id for i in mini.sample_indices},
             key=lambda r: min(j for j, s in enumerate(samples) if s.rollout_id == r),
         )
+
+
+def check_mini_batch_count(samples: list[Sample], plan: Schedule, requested: int) -> None:
+    rollouts = len({s.rollout_id for s in samples})
+    assert len(plan.mini_batches) == min(requested, rollouts), "wrong number of updates"
 
 
 def check_balance(samples: list[Sample], plan: Schedule, cost=token_cost) -> None:
@@ -170,6 +176,15 @@ def test_every_sample_exactly_once(problem: tuple[list[Sample], dict[str, int]])
 def test_rollouts_stay_in_one_mini_batch(problem: tuple[list[Sample], dict[str, int]]) -> None:
     samples, config = problem
     check_rollouts_whole(samples, schedule(samples, **config))
+
+
+@FAST
+@given(problems())
+def test_as_many_mini_batches_as_asked_or_as_rollouts(
+    problem: tuple[list[Sample], dict[str, int]],
+) -> None:
+    samples, config = problem
+    check_mini_batch_count(samples, schedule(samples, **config), config["num_mini_batches"])
 
 
 @FAST
@@ -300,6 +315,7 @@ def test_reference_schedule_passes_every_check() -> None:
     ):
         check(samples, plan)
     check_cap(samples, plan, 1000)
+    check_mini_batch_count(samples, plan, 2)
     assert plan.oversize_samples == [6]
 
 
@@ -318,6 +334,11 @@ def test_checks_catch_broken_schedules() -> None:
     split = _moved(plan, (0, 0), (other_rollout_mini, 0), first)
     with pytest.raises(AssertionError):
         check_rollouts_whole(samples, split)
+    # A mini-batch too few, and one more than there are rollouts.
+    with pytest.raises(AssertionError):
+        check_mini_batch_count(samples, replace(plan, mini_batches=plan.mini_batches[:1]), 2)
+    with pytest.raises(AssertionError):
+        check_mini_batch_count(samples[:2], plan, 2)  # rollout "a" alone
     # All of a mini-batch's samples on one rank.
     mini = plan.mini_batches[0]
     lumped = _with_rank(
@@ -501,7 +522,6 @@ def _ok() -> dict[str, int]:
         ({"max_tokens_per_micro_batch": 0}, "max_tokens_per_micro_batch must be"),
         ({"max_tokens_per_micro_batch": 1.5}, "max_tokens_per_micro_batch must be"),
         ({"ranks": True}, "ranks must be"),
-        ({"num_mini_batches": 3}, r"2 rollouts cannot fill 3 mini-batches.*num_mini_batches <= 2"),
     ],
 )
 def test_bad_arguments(override: dict[str, object], message: str) -> None:
@@ -511,8 +531,14 @@ def test_bad_arguments(override: dict[str, object], message: str) -> None:
 
 
 def test_no_samples() -> None:
-    with pytest.raises(ValueError, match="0 rollouts cannot fill 1 mini-batches"):
+    with pytest.raises(ValueError, match="no samples to schedule"):
         schedule([], **_ok())
+
+
+def test_fewer_rollouts_than_mini_batches_take_one_update_each() -> None:
+    samples = [make_sample("a", 10), make_sample("b", 10), make_sample("a", 5)]
+    plan = schedule(samples, **{**_ok(), "num_mini_batches": 4})
+    assert [mini.rollout_ids for mini in plan.mini_batches] == [["a"], ["b"]]
 
 
 def test_empty_sample() -> None:

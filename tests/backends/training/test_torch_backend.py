@@ -204,6 +204,24 @@ def test_micro_batching_does_not_change_the_update(num_mini_batches: int) -> Non
         assert one_metrics[key] == pytest.approx(many_metrics[key], abs=1e-9)
 
 
+def test_a_step_with_fewer_rollouts_than_mini_batches_takes_one_update_each() -> None:
+    """A rollout its agent failed before any call enters with no sample, so a small step can
+    have fewer rollouts than ``num_mini_batches``: it trains as if it asked for that many."""
+    base = make_model(dtype=torch.float64, seed=3)
+    rng = random.Random(1)
+    samples = with_behaviour(base, random_batch(rng, rollouts=3), noise=0.5, rng=rng)
+    advantages = [rng.uniform(-1.0, 1.0) for _ in samples]
+    results = []
+    for asked in (3, 8):
+        model = copy.deepcopy(base)
+        config = TorchBackendConfig(lr=1e-2, num_mini_batches=asked)
+        metrics = TorchBackend(model, config).train(samples, advantages, token_mean)
+        results.append((params_of(model), metrics))
+    (exact, exact_metrics), (more, more_metrics) = results
+    assert exact_metrics["mini_batches"] == more_metrics["mini_batches"] == 3
+    assert_params_close(exact, more, atol=1e-12)
+
+
 # --- 3. the PPO clip -----------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ class VerlBackendConfig(LrSchedule, Guards):
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_ratio_c: float = NO_DUAL_CLIP  # 3.0 = verl's dual-clip PPO
-    num_mini_batches: int = 1  # agl mini-batches (optimizer updates) per train()
+    num_mini_batches: int = 1  # agl mini-batches (updates) per train(); at most one per rollout
     ppo_epochs: int = 1  # verl passes over each hand-off; each pass is one update
     # Micro-batching inside verl: a token cap (use_dynamic_bsz) or a fixed row count.
     use_dynamic_bsz: bool = True
