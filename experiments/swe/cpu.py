@@ -10,13 +10,16 @@ is made (``readable``):
 - ``read_command(f)``: the file that defines ``f`` (``grep -rl``), then every site of the
   three kinds (a comparison, a ``return True``/``False``, a call of two plain arguments)
   in the ``WINDOW`` lines after ``f``'s ``def``, one a line, as ``grep -o`` prints
-  them (`` is not ``, `` reduce(binop, seq``), in the order of the code;
+  them (`` is not ``, `` reduce(binop, seq``), in the order of the code, each once;
+  kept in ``SITES_FILE`` too;
 - ``edit_command(fix)``: ``sed -i '/def.f(/,/PATTERN/s/PATTERN/REPLACEMENT/' ./PATH``,
   the first line after ``f``'s ``def`` that holds the site edited;
 - ``try_command(fix, test)``: the edit (with sed's backup), the failing test, and on a
   pass the submission (mini-swe-agent's ``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` as the
-  output's first line), else the backup put back: one command that leaves the checkout
-  as it found it unless the test passes;
+  output's first line), else the backup put back and the read's output printed again
+  less the site just tried (``SITES_FILE``'s second line, deleted): one command that
+  leaves the checkout as it found it unless the test passes, and whose failure shows
+  the next site where the read showed the first;
 - ``submit_command(fix)``: the edit and the submission, untested.
 
 What the agent writes is copied from where it has seen it, each copy following the
@@ -25,8 +28,11 @@ token after the last match of the one before): the function's name after ``def.`
 (``::test_name`` in the statement, then its own read), the path after ``./`` (the read's
 first line), the test id after ``./`` (`` `id` `` in the statement). A site starts its
 line of the read's output, so the first try copies the observation's first site (the
-seed-0 pin does, in 83 of 104 rollouts at T = 0.7) and each later try would copy the
-next one (it does not: 4 of 34 second edits; experiments/swe/README.md). The seed-0 pin
+seed-0 pin of commit 0cc179f did, in 83 of 104 rollouts at T = 0.7). That pin's read
+printed the sites once and a failed try printed nothing, so a later try had to copy the
+next site of an observation two or more turns back, and did in 4 of 34 second edits
+(experiments/swe/README.md): now a failed try prints the sites left, path first, so
+every try copies the first site of the last observation, as the first does. The pin
 that read whole lines (``./path-N-text``) wrote the right site in 1 edit of 7 at T = 1:
 the site followed a variable's name there and ``/,/`` in the ``sed``, no text before it
 the same, and the model wrote the operators it had seen most instead. No line number:
@@ -40,7 +46,8 @@ The kinds are the three whose change undoes itself, so the fix can be read off t
 bugged line (``flip_comparison``, ``change_return`` between ``True`` and ``False``,
 ``swap_arguments`` of two plain names). A task qualifies (``readable``) when its function
 ``f`` is a module's top-level function, defined once in the checkout; the project has a
-test named ``test_f``; the read prints ``MIN_SHOWN``..``MAX_SHOWN`` sites; the canonical
+test named ``test_f``; the read prints ``MIN_SHOWN``..``MAX_SHOWN`` sites, each its own candidate
+edit (``one_edit_a_site``); the canonical
 fix (``canonical_fix``: the first line after the ``def`` with its site is the bug's) run
 on the bugged file gives back the base file byte for byte; and it is among the first
 ``MAX_TRIES`` edits ``tries`` lists. Which shown site is the bug cannot be known without
@@ -98,6 +105,10 @@ _CALL = re.compile(r"([ .(]?)(\w+)\(([\w.]+), ([\w.]+)")
 # the two arguments as a swap's pattern takes them (sed's groups \1 and \2)
 _ARGUMENTS = r"\([^ ,]*\), \([^ ,)]*\)"
 BACKUP = ".orig"  # the suffix of a try's backup (sed -i.orig), which a failed try restores
+# the read's output, kept in the checkout (each command runs in a fresh jail: its /tmp
+# does not last) for a failed try to print again less its site; the grader reads the
+# project's source files only
+SITES_FILE = ".sites"
 # characters that would make a sed pattern or replacement mean more than its text (a
 # "." may match another character: the real sed's result is checked against the base)
 _SED_SPECIAL = set("[]*^$\\/&")
@@ -130,7 +141,9 @@ def read_command(function: str) -> str:
     # tail: the def's own line is no site (its parameters, not a call)
     defined = f"'def.{function}(' ."
     window = f"grep -rh -A {WINDOW} {defined} | tail -n +2"
-    return f"grep -rl {defined}; {window} | grep -oE {SITES}"
+    # awk: each site once, in order, so that the n-th line is the n-th candidate edit
+    sites = f"{window} | grep -oE {SITES} | awk '!s[$0]++'"
+    return f"{{ grep -rl {defined}; {sites}; }} | tee {SITES_FILE}"
 
 
 def _script(fix: Fix) -> str:
@@ -173,7 +186,9 @@ def try_command(fix: Fix, test: str) -> str:
     # sed's own backup undoes a failed try exactly, whatever the edit did
     edit = f"sed -i{BACKUP} '{_script(fix)}' ./{fix.path}"
     restore = f"mv ./{fix.path}{BACKUP} ./{fix.path}"
-    return f"{edit} && {pytest_command(test)} && echo {SUBMIT} || {restore}"
+    # the tried site is the second line (after the path) when the try copied the first
+    left = f"sed -i 2d {SITES_FILE}; cat {SITES_FILE}"
+    return f"{edit} && {pytest_command(test)} && echo {SUBMIT} || {{ {restore}; {left}; }}"
 
 
 def submit_command(fix: Fix) -> str:
@@ -241,6 +256,13 @@ def tries(function: str, shown: Sequence[Shown]) -> list[Fix]:
                 if fix not in found:
                     found.append(fix)
     return found
+
+
+def one_edit_a_site(function: str, shown: Sequence[Shown]) -> bool:
+    """Whether each site the read showed gives a candidate edit of its own, so that the
+    n-th line is the n-th try (two calls of one name give one swap: the edit's pattern
+    takes any arguments)."""
+    return len(tries(function, shown)) == len(shown)
 
 
 def _bre(pattern: str) -> re.Pattern[str]:
@@ -370,6 +392,8 @@ def readable(mutation: Mutation, base: Path, tests: Sequence[str]) -> Readable |
     shown = parse_shown(output)
     if not MIN_SHOWN <= len(shown) <= MAX_SHOWN:
         return f"the read shows {len(shown)} sites"
+    if not one_edit_a_site(function, shown):
+        return "two sites the read shows have one candidate edit"
     if not undone:
         return "the fix does not give back the base"
     if canonical not in tries(function, shown)[:MAX_TRIES]:

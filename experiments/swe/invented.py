@@ -403,7 +403,7 @@ def _attempt(
     changed = [i for i, (a, b) in enumerate(zip(base_lines, bugged_lines, strict=True)) if a != b]
     if changed != [bug_line - 1] or not fixes:
         return None
-    if not cpu.MIN_SHOWN <= len(shown) <= cpu.MAX_SHOWN:
+    if not cpu.MIN_SHOWN <= len(shown) <= cpu.MAX_SHOWN or not cpu.one_edit_a_site(name, shown):
         return None
     test = f"{test_path}::test_{name}"
     if rng.random() < CLASS_TEST_SHARE:
@@ -450,12 +450,12 @@ def _test_file(test: str, path: str, base: str) -> str:
 def simulated_read(path: str, module: str, function: str) -> str:
     """``cpu.read_command(function)``'s output over a checkout whose only match of
     ``def.function(`` is in ``module`` at ``path``: ``grep -rl``'s file, then ``grep -o``'s
-    sites in the lines ``grep -A`` prints after the ``def``."""
+    sites in the lines ``grep -A`` prints after the ``def``, each once (``awk``)."""
     lines = module.splitlines()
     pattern = re.compile(rf"def.{re.escape(function)}\(")
     for i, text in enumerate(lines):
         if pattern.search(text):
             window = lines[i + 1 : i + cpu.WINDOW + 1]
             sites = [m[0] for line in window for m in cpu.SITE_PATTERN.finditer(line)]
-            return "".join(f"{line}\n" for line in [f"./{path}", *sites])
+            return "".join(f"{line}\n" for line in [f"./{path}", *dict.fromkeys(sites)])
     return ""

@@ -48,10 +48,10 @@ from experiments.swe.invented import (
 )
 from experiments.swe.warmup import TRY, Reply, SimulatedShell, play, playable
 
-_READ = re.compile(r"^grep -rl 'def\.(\w+)\(' \.; ")
+_READ = re.compile(r"^\{ grep -rl 'def\.(\w+)\(' \.; ")
 _ANY_EDIT = re.compile("^" + cpu.EDIT_FORM.format(backup=f"(?:{re.escape(cpu.BACKUP)})?"))
 PARTS = ("name", "path", "site", "test")  # what an edit copies (``edit_parts``)
-MAX_TOKENS = 320  # conf/task/swe_cpu.yaml's sampling.max_tokens
+MAX_TOKENS = 400  # conf/task/swe_cpu.yaml's sampling.max_tokens
 
 
 def real_task(instance: Instance, root: Path) -> InventedTask:
@@ -86,9 +86,7 @@ class ProbeShell(SimulatedShell):
         if found := _READ.match(command):
             if command != cpu.read_command(found[1]):
                 return 127, ""
-            path = self.task.module
-            output = simulated_read(path, self.files[path], found[1])
-            return (0 if cpu.parse_shown(output) else 1), output  # the last grep's
+            return 0, self._read(found[1])  # tee's status
         try:
             return super().run(command)
         except (ValueError, IndexError):

@@ -2,8 +2,9 @@
 graded by the real grader: what reading and testing can earn, and what reading alone
 does (``experiments.swe.warmup``'s player, with the real shell instead of the simulated).
 
-- **read, try, test**: the read, then ``cpu.tries``' edits one by one with
-  ``cpu.try_command`` until the test passes (the command submits) or ``MAX_TRIES`` ran;
+- **read, try, test**: the read, then, until the test passes (the command submits) or
+  ``MAX_TRIES`` ran, ``cpu.try_command`` of the first candidate edit of the last output
+  (a failed try prints the sites left), as the warm-up teaches;
 - **read, edit, submit**: the read, then the first candidate edit, submitted untested.
 
 No model is involved: this is the ceiling of the taught skill executed perfectly, and the
@@ -56,33 +57,37 @@ def play(instance: Instance, root: Path, path: str) -> dict[str, Any]:
             commands = [cpu.read_command(function)]
             read = shell.execute({"command": commands[0]})["output"]
             candidates = cpu.tries(function, cpu.parse_shown(read))
-            submitted = False
+            submitted, output, tried = False, read, []
             if path == PATHS[1]:
                 commands.append(cpu.submit_command(candidates[0]))
-                submitted = _run(shell, commands[-1])
+                submitted, _ = _run(shell, commands[-1])
             else:
-                for fix in candidates[: cpu.MAX_TRIES]:
-                    commands.append(cpu.try_command(fix, first_test(instance)))
-                    if submitted := _run(shell, commands[-1]):
+                while len(tried) < cpu.MAX_TRIES and not submitted:
+                    left = cpu.tries(function, cpu.parse_shown(output))
+                    if not left:
                         break
+                    tried.append(left[0])
+                    commands.append(cpu.try_command(left[0], first_test(instance)))
+                    submitted, output = _run(shell, commands[-1])
         grade = grade_checkout(row, checkout, [])
     return {
         "reward": grade.reward,
         "commands": len(commands),
         "submitted": submitted,
         "read_matches_simulation": read == simulated,
+        # what a failed try printed led to the read's next candidate, every time
+        "tries_follow_the_read": tried == candidates[: len(tried)],
     }
 
 
-def _run(shell: SandboxEnvironment, command: str) -> bool:
-    """Runs ``command``; whether it submitted."""
+def _run(shell: SandboxEnvironment, command: str) -> tuple[bool, str]:
+    """Runs ``command``; whether it submitted, and its output."""
     from minisweagent.exceptions import Submitted
 
     try:
-        shell.execute({"command": command})
+        return False, str(shell.execute({"command": command})["output"])
     except Submitted:
-        return True
-    return False
+        return True, ""
 
 
 def evaluate(
@@ -97,16 +102,18 @@ def evaluate(
 
 def table(results: dict[str, list[dict[str, Any]]]) -> str:
     lines = [
-        "| path | reward | fixed | commands a rollout | read as simulated |",
-        "|---|---|---|---|---|",
+        "| path | reward | fixed | commands a rollout | read as simulated | tries in order |",
+        "|---|---|---|---|---|---|",
     ]
     for path, rows in results.items():
         n = len(rows)
         fixed = sum(r["reward"] == 1.0 for r in rows)
         commands = sum(r["commands"] for r in rows) / n
         same = sum(r["read_matches_simulation"] for r in rows)
+        ordered = sum(r["tries_follow_the_read"] for r in rows)
         lines.append(
-            f"| {path} | {fixed / n:.3f} | {fixed} of {n} | {commands:.2f} | {same} of {n} |"
+            f"| {path} | {fixed / n:.3f} | {fixed} of {n} | {commands:.2f} | {same} of {n} "
+            f"| {ordered} of {n} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -13,7 +13,8 @@ The scripted player reads (``cpu.read_command``), then either
 
 - **tests** (share ``test_share``): tries the read's candidate edits in order
   (``cpu.tries``), each with ``cpu.try_command`` (the edit, the failing test, and on a
-  pass the submission, else the backup put back), until one passes; or
+  pass the submission, else the backup put back and the sites left printed, so that
+  each try copies the first site of the observation before it), until one passes; or
 - **submits untested**: the first candidate edit and the submission at once
   (``cpu.submit_command``), right only when the first candidate is the bug.
 
@@ -63,7 +64,8 @@ TRY = re.compile(
     "^"
     + cpu.EDIT_FORM.format(backup=re.escape(cpu.BACKUP))
     + rf" && python -m pytest -q \./(?P<test>\S+) >/dev/null && echo {cpu.SUBMIT}"
-    + rf" \|\| mv \./(?P<kept>\S+){re.escape(cpu.BACKUP)} \./(?P<restored>\S+)$"
+    + rf" \|\| \{{ mv \./(?P<kept>\S+){re.escape(cpu.BACKUP)} \./(?P<restored>\S+);"
+    + rf" sed -i 2d {re.escape(cpu.SITES_FILE)}; cat {re.escape(cpu.SITES_FILE)}; \}}$"
 )
 _EDIT_SUBMIT = re.compile("^" + cpu.EDIT_FORM.format(backup="") + rf" && echo {cpu.SUBMIT}$")
 
@@ -84,14 +86,29 @@ def plan(task: InventedTask, tested: bool) -> list[str]:
 
 
 class SimulatedShell:
-    """The jail as the scripted player uses it, in memory: the read, the tried edit
-    (the test passes exactly when it is the task's and the module is the unbugged one)
-    and the untested edit. Any other command is refused: the simulation covers only what
-    it was checked on."""
+    """The jail as the scripted player uses it, in memory: the read (kept as
+    ``cpu.SITES_FILE``), the tried edit (the test passes exactly when it is the task's and
+    the module is the unbugged one; a failure prints the kept read less its second line)
+    and the untested edit. Any other command, a try before a read among them, is refused:
+    the simulation covers only what it was checked on."""
 
     def __init__(self, task: InventedTask) -> None:
         self.task = task
         self.files = dict(task.files)
+        self.sites: list[str] | None = None  # cpu.SITES_FILE's lines, once a read wrote it
+
+    def _read(self, function: str) -> str:
+        path = self.task.module
+        output = simulated_read(path, self.files[path], function)
+        self.sites = output.splitlines(keepends=True)
+        return output
+
+    def _left(self) -> str:
+        """``sed -i 2d`` of the kept read, then its ``cat``."""
+        if self.sites is None:
+            raise ValueError(f"a try before a read ({cpu.SITES_FILE} absent) is not simulated")
+        del self.sites[1:2]
+        return "".join(self.sites)
 
     def _edit(self, found: re.Match[str]) -> None:
         fix = cpu.edit_of(found)
@@ -101,8 +118,7 @@ class SimulatedShell:
 
     def run(self, command: str) -> tuple[int, str]:
         if command == cpu.read_command(self.task.function):
-            path = self.task.module
-            return 0, simulated_read(path, self.files[path], self.task.function)
+            return 0, self._read(self.task.function)
         if found := TRY.match(command):
             if not found["path"] == found["kept"] == found["restored"]:
                 raise ValueError(f"the try {command!r} is not simulated")
@@ -112,7 +128,7 @@ class SimulatedShell:
             if right and self.files[self.task.module] == self.task.base:
                 return 0, f"{cpu.SUBMIT}\n"
             self.files[found["path"]] = str(backup)
-            return 0, ""
+            return 0, self._left()
         if found := _EDIT_SUBMIT.match(command):
             self._edit(found)
             return 0, f"{cpu.SUBMIT}\n"

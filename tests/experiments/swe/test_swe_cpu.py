@@ -87,11 +87,14 @@ def test_the_read_shows_the_file_then_the_sites_after_the_def(tmp_path: Path) ->
     checkout = _checkout(tmp_path)
     output = cpu.run_read(checkout, "clamp")
     # the window runs into the next function: its sites are decoys, as in real code; the
-    # def's own parameters, assignments and a for clause's " in " are no sites
-    assert output == "./pkg/mod.py\n < \n >= \n max(total, item\n == \n == \n"
+    # def's own parameters, assignments and a for clause's " in " are no sites; a site
+    # shows once (" == " twice in is_hidden), so the n-th line is the n-th candidate edit
+    assert output == "./pkg/mod.py\n < \n >= \n max(total, item\n == \n"
     assert cpu.parse_shown(output) == [
-        cpu.Shown("pkg/mod.py", s) for s in (" < ", " >= ", " max(total, item", " == ", " == ")
+        cpu.Shown("pkg/mod.py", s) for s in (" < ", " >= ", " max(total, item", " == ")
     ]
+    assert (checkout / cpu.SITES_FILE).read_text() == output  # for a failed try to print
+    assert len(cpu.tries("clamp", cpu.parse_shown(output))) == 4
     # what simulates it (the warm-up's shell, the probe) prints the same
     assert simulated_read("pkg/mod.py", MODULE, "clamp") == output
     joined = cpu.run_read(checkout, "joined")
@@ -161,20 +164,26 @@ def test_an_edit_changes_the_first_line_after_the_def_with_its_site(tmp_path: Pa
 
 
 def test_a_try_submits_a_passing_edit_and_undoes_a_failing_one(tmp_path: Path) -> None:
-    bugged = MODULE.replace("if value < low:", "if value >= low:")
+    bugged = MODULE.replace("return False", "return True")
     checkout = _checkout(tmp_path, bugged)
-    test = "pkg/tests/test_mod.py::test_clamp"
-    wrong = _fix("swap_arguments", "total = max(total, item)")
-    done = _bash(cpu.try_command(wrong, test), checkout)
-    assert (done.returncode, done.stdout) == (0, "")
+    test = "pkg/tests/test_mod.py::test_is_hidden"
+    read = _bash(cpu.read_command("is_hidden"), checkout).stdout
+    # the next def's parameters look like a call: a decoy, as in real code
+    assert read == "./pkg/mod.py\n == \nreturn True\n joined(head, tail\n.join(head, tail\n"
+    first, second = cpu.tries("is_hidden", cpu.parse_shown(read))[:2]
+    done = _bash(cpu.try_command(first, test), checkout)
+    # the read again less the site tried: the next candidate is the first one shown
+    left = "./pkg/mod.py\nreturn True\n joined(head, tail\n.join(head, tail\n"
+    assert (done.returncode, done.stdout) == (0, left)
+    assert cpu.tries("is_hidden", cpu.parse_shown(done.stdout))[0] == second
     assert (checkout / "pkg" / "mod.py").read_text() == bugged  # put back
     assert not (checkout / "pkg" / f"mod.py{cpu.BACKUP}").exists()
-    right = _fix("flip_comparison", "if value >= low:")
-    done = _bash(cpu.try_command(right, test), checkout)
+    done = _bash(cpu.try_command(second, test), checkout)
     assert (done.returncode, done.stdout) == (0, f"{cpu.SUBMIT}\n")
     assert (checkout / "pkg" / "mod.py").read_text() == MODULE  # kept
-    # the backup stays beside it: the grader reads the project's source files only
+    # the backup and the kept read stay beside it: the grader reads source files only
     assert (checkout / "pkg" / f"mod.py{cpu.BACKUP}").read_text() == bugged
+    wrong = _fix("swap_arguments", "total = max(total, item)")
     untested = _bash(cpu.submit_command(wrong), _checkout(tmp_path / "b", bugged))
     assert untested.stdout == f"{cpu.SUBMIT}\n"
 
@@ -195,6 +204,9 @@ def test_a_bug_qualifies_only_when_read_and_fix_work(tmp_path: Path) -> None:
     assert cpu.tries("is_hidden", hidden.shown).index(hidden.fix) == 1
     swap = by_label["swap_arguments:joined:22"]
     assert cpu.readable(swap, base, tests) == "no test named test_joined"
+    assert not cpu.one_edit_a_site(
+        "f", [cpu.Shown("m.py", s) for s in (".islice(n, seq", " == ", ".islice(seq, 0")]
+    )
     with_test = [*tests, "pkg/tests/test_mod.py::test_joined[a-b]"]  # parameters or not
     assert cpu.readable(swap, base, with_test) == "the read shows 1 sites"
     other = next(m for m in mutations(MODULE, "pkg/mod.py", ("off_by_one",)))
@@ -261,5 +273,6 @@ def test_the_scripted_paths_in_the_real_jail(made: Path) -> None:
     tested, untested = results[scripted.PATHS[0]], results[scripted.PATHS[1]]
     assert [r["reward"] for r in tested] == [1.0] * len(tasks)
     assert all(r["read_matches_simulation"] for r in tested + untested)
+    assert all(r["tries_follow_the_read"] for r in tested)
     assert all(r["submitted"] for r in tested)
     assert all(r["commands"] == 2 for r in untested)

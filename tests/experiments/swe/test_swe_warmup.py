@@ -75,6 +75,7 @@ def test_a_task_is_fresh_and_its_fix_is_among_the_first_tries(
     assert len({(t.module, t.fix.function) for t in tasks}) >= 190
     for task in tasks:
         assert cpu.MIN_SHOWN <= len(task.shown) <= cpu.MAX_SHOWN
+        assert cpu.one_edit_a_site(task.function, task.shown)  # line n is try n
         assert task.fix in cpu.tries(task.function, task.shown)[: cpu.MAX_TRIES]
         assert cpu.apply(task.fix, task.files[task.module]) == task.base
         assert task.statement.startswith("Since the last change to ")
