@@ -406,11 +406,10 @@ def config_markdown(args: str, page: str) -> str:
             )
         out += [f"### `{group}` {{ #group-{group} }}", "", how, ""]
         for option in options:
-            out += option_section(
-                option,
-                "####",
-                f"`{group}={option.stem}` {{ #{group}-{option.stem.replace('_', '-')} }}",
-            )
+            # only a run's groups are chosen as group=option; the others are files
+            shown = f"{group}={option.stem}" if group in chosen else f"conf/{group}/{option.name}"
+            anchor = f"{group}-{option.stem.replace('_', '-')}"
+            out += option_section(option, "####", f"`{shown}` {{ #{anchor} }}")
     out += [
         "## Run configs: `--config-name NAME`",
         "",
