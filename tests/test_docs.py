@@ -69,9 +69,10 @@ def generated_site_files() -> set[str]:
         if isinstance(node, ast.Assign)
         and isinstance(node.targets[0], ast.Name)
         and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
     }
-    plots = {p.relative_to(ROOT).as_posix() for p in ROOT.glob(constants["STUDY_PLOTS"])}
-    return {constants["MERGES_SVG"], *plots}
+    plots = {p.relative_to(ROOT).as_posix() for p in ROOT.glob(str(constants["STUDY_PLOTS"]))}
+    return {str(constants["MERGES_SVG"]), *plots}
 
 
 def relative_links(path: Path) -> Iterator[str]:

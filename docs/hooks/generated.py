@@ -394,7 +394,7 @@ def config_markdown(args: str, page: str) -> str:
     out += ["## Config groups", ""]
     for group in groups:
         folder = conf / group
-        options = sorted(folder.glob("*.yaml"))
+        files = sorted(folder.glob("*.yaml"))
         if group in chosen:
             how = f"`{group}=NAME` on `python -m agl.train`; the default is `{chosen[group]}`."
         elif group == "study":
@@ -405,7 +405,7 @@ def config_markdown(args: str, page: str) -> str:
                 "not chosen by `group=NAME`."
             )
         out += [f"### `{group}` {{ #group-{group} }}", "", how, ""]
-        for option in options:
+        for option in files:
             # only a run's groups are chosen as group=option; the others are files
             shown = f"{group}={option.stem}" if group in chosen else f"conf/{group}/{option.name}"
             anchor = f"{group}-{option.stem.replace('_', '-')}"
