@@ -69,7 +69,7 @@ def test_the_task_is_the_one_these_figures_are_for() -> None:
 def test_the_default_games_figures_by_hand() -> None:
     """Two guesses: a blind player covers two numbers, one that reads the answer three
     (its first guess, then one on each side), so reading the feedback is the only way
-    past the blind baseline: the README's table for the default experiment."""
+    past the blind baseline: experiments/guess/README.md's table for the default game."""
     assert best_blind(DEFAULT)[0] == F(8, 16)  # 4 and 5, 4 + 4 of 16
     assert (4, 5) in best_blind(DEFAULT)[1]
     assert optimal_reward(DEFAULT) == F(10, 16)  # 4, then 3 after lower, 5 after higher
@@ -104,7 +104,7 @@ def test_figures_that_can_be_checked_by_hand() -> None:
         assert figures.reward == 1 - F(7, 8) ** 3
         assert figures.repeated_guesses is not None and figures.repeated_guesses > 0
     assert evaluate(consistent_random(UNIFORM), UNIFORM).reward == consistent_uniform(8, 3)
-    # The README's figures: consistent ≈ 0.62 with uniform targets, ≈ 0.577 weighted.
+    # experiments/guess/README.md: consistent ≈ 0.62 with uniform targets, ≈ 0.577 weighted.
     assert round(float(evaluate(consistent_random(UNIFORM), UNIFORM).reward), 3) == 0.619
     assert round(float(evaluate(consistent_random(HOUSE), HOUSE).reward), 3) == 0.577
 

@@ -137,7 +137,7 @@ def test_a_llama_folder_trains_on_verl_and_drifts_only_where_it_ended_with_eom(
     turns break the prefix, and so do the turns whose text left out a special token the
     model sampled in the middle (vLLM's default rule). verl's FSDP engine does the
     update."""
-    pytest.importorskip("verl", reason="backend=verl needs verl (README)")
+    pytest.importorskip("verl", reason="backend=verl needs verl: pip install --no-deps verl==0.9.1")
     folder = write_llama(tmp_path / "my-llama")
     run_dir = tmp_path / "run"
     train_folder(run_dir, folder, data, "model.tool_parser=llama3_json", "backend=verl")
@@ -159,7 +159,7 @@ def test_verls_ray_workers_load_the_model_from_its_path(
 ) -> None:
     """``backend.ranks=2``: with nothing changed since loading, each Ray worker loads
     ``model.path`` through verl's own loader; the trainer writes no copy."""
-    pytest.importorskip("verl", reason="backend=verl needs verl (README)")
+    pytest.importorskip("verl", reason="backend=verl needs verl: pip install --no-deps verl==0.9.1")
     folder = write_llama(tmp_path / "my-llama")
     run_dir = tmp_path / "run"
     train_folder(run_dir, folder, data, "backend=verl", "backend.ranks=2", timeout=900)
@@ -176,7 +176,7 @@ def test_a_qwen3_folder_on_vllm_serves_the_trained_weights(
     parser; every update reaches it (the trainer's logprobs of what vLLM sampled match)."""
     python = find_vllm_python()
     if python is None:
-        pytest.skip("vLLM is not installed (.venv-vllm, see the README)")
+        pytest.skip("vLLM is not installed (.venv-vllm: bash tests/vllm/install.sh)")
     folder = write_qwen3(tmp_path / "my-qwen3")
     run_dir = tmp_path / "run"
     train_folder(run_dir, folder, data, "inference=vllm", f"inference.python={python}", timeout=900)

@@ -144,7 +144,7 @@ def test_the_parsers_read_what_vllms_parsers_of_the_same_name_read(
 ) -> None:
     python = find_vllm_python()
     if python is None:
-        pytest.skip("vLLM is not installed (.venv-vllm, see the README)")
+        pytest.skip("vLLM is not installed (.venv-vllm: bash tests/vllm/install.sh)")
     texts = [("llama3_json", t) for t in LLAMA_CASES] + [("hermes", t) for t in HERMES_CASES]
     texts += [(name, text) for name, text, _, _ in DIFFERENCES]
     request = {"folders": {k: str(v) for k, v in folders.items()}, "texts": texts}
