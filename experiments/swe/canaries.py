@@ -19,7 +19,7 @@ The outcomes are forged when a copy's differs from its original's, the guard did
 fail, or a planted test is missing (a run ended after writing a report of its own).
 What this cannot see: code that picks out exactly the FAIL_TO_PASS tests by their
 function (a copy is the same function) and rewrites only their outcomes. The audit's
-rules and judge are there for that; the README's security section says so.
+rules and judge are there for that; docs/operations/security.md says so.
 """
 
 from __future__ import annotations
