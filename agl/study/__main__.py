@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=_ints, help="these seeds instead of the study's")
     parser.add_argument("--only", type=_names, help="only these settings (comma-separated)")
     parser.add_argument("--report-only", action="store_true", help="run nothing, write the report")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before or after the options
     logging.basicConfig(level=logging.WARNING, format="agl.study: %(message)s")
     # A study name given as the first override-looking word is an override, not a study.
     if "=" in args.study:

@@ -278,6 +278,9 @@ def test_the_command_line_refuses_an_unknown_study_or_setting(tmp_path: Path) ->
     )
     done = _study("mini", "--only", "nosuch", "--out", str(tmp_path))
     assert done.returncode == 2 and "no setting nosuch" in done.stderr
+    # overrides after the options are overrides still, as before them
+    done = _study("mini", "--out", str(tmp_path), "--only", "nosuch", "backend.lr=1e-5")
+    assert done.returncode == 2 and "no setting nosuch" in done.stderr, done.stderr
 
 
 def test_a_baseline_is_drawn_on_its_metric_only() -> None:
