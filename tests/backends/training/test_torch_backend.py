@@ -176,30 +176,41 @@ def test_packing_works_for_llama() -> None:
 # --- 2. gradient accumulation is exact -----------------------------------------------------
 
 
-@pytest.mark.parametrize("num_mini_batches", [1, 2])
-def test_micro_batching_does_not_change_the_update(num_mini_batches: int) -> None:
-    # float64: Adam's first step is ~lr·sign(g), which amplifies float32 summation-order
-    # noise on tiny gradients; the property under test is the arithmetic, not rounding.
+def _one_step_each(
+    rollouts: int, seed: int, configs: list[TorchBackendConfig]
+) -> tuple[dict[str, torch.Tensor], list[tuple[dict[str, torch.Tensor], dict[str, float]]]]:
+    """One train() of the same random batch from the same float64 model under each config:
+    the model's parameters before, and each config's parameters and metrics after.
+    float64: Adam's first step is ~lr·sign(g), which amplifies float32 summation-order
+    noise on tiny gradients; the properties under test are the arithmetic, not rounding."""
     base = make_model(dtype=torch.float64, seed=3)
-    rng = random.Random(0)
-    samples = with_behaviour(base, random_batch(rng, rollouts=6), noise=0.5, rng=rng)
+    rng = random.Random(seed)
+    samples = with_behaviour(base, random_batch(rng, rollouts=rollouts), noise=0.5, rng=rng)
     advantages = [rng.uniform(-1.0, 1.0) for _ in samples]
     results = []
-    for cap in (4096, 12):
+    for config in configs:
         model = copy.deepcopy(base)
-        config = TorchBackendConfig(
+        metrics = TorchBackend(model, config).train(samples, advantages, token_mean)
+        results.append((params_of(model), metrics))
+    return params_of(base), results
+
+
+@pytest.mark.parametrize("num_mini_batches", [1, 2])
+def test_micro_batching_does_not_change_the_update(num_mini_batches: int) -> None:
+    configs = [
+        TorchBackendConfig(
             lr=1e-2,
             grad_clip=0.0,
             num_mini_batches=num_mini_batches,
             max_tokens_per_micro_batch=cap,
         )
-        metrics = TorchBackend(model, config).train(samples, advantages, token_mean)
-        results.append((params_of(model), metrics))
-    (one, one_metrics), (many, many_metrics) = results
+        for cap in (4096, 12)
+    ]
+    before, [(one, one_metrics), (many, many_metrics)] = _one_step_each(6, 0, configs)
     assert one_metrics["micro_batches"] == num_mini_batches
     assert many_metrics["micro_batches"] > 2 * num_mini_batches
     assert_params_close(one, many, atol=1e-6)
-    assert max((one[k] - params_of(base)[k]).abs().max().item() for k in one) > 1e-3
+    assert max((one[k] - before[k]).abs().max().item() for k in one) > 1e-3
     for key in ("loss", "kl_behaviour", "clip_fraction", "grad_norm", "tokens_trained"):
         assert one_metrics[key] == pytest.approx(many_metrics[key], abs=1e-9)
 
@@ -207,17 +218,8 @@ def test_micro_batching_does_not_change_the_update(num_mini_batches: int) -> Non
 def test_a_step_with_fewer_rollouts_than_mini_batches_takes_one_update_each() -> None:
     """A rollout its agent failed before any call enters with no sample, so a small step can
     have fewer rollouts than ``num_mini_batches``: it trains as if it asked for that many."""
-    base = make_model(dtype=torch.float64, seed=3)
-    rng = random.Random(1)
-    samples = with_behaviour(base, random_batch(rng, rollouts=3), noise=0.5, rng=rng)
-    advantages = [rng.uniform(-1.0, 1.0) for _ in samples]
-    results = []
-    for asked in (3, 8):
-        model = copy.deepcopy(base)
-        config = TorchBackendConfig(lr=1e-2, num_mini_batches=asked)
-        metrics = TorchBackend(model, config).train(samples, advantages, token_mean)
-        results.append((params_of(model), metrics))
-    (exact, exact_metrics), (more, more_metrics) = results
+    configs = [TorchBackendConfig(lr=1e-2, num_mini_batches=asked) for asked in (3, 8)]
+    _, [(exact, exact_metrics), (more, more_metrics)] = _one_step_each(3, 1, configs)
     assert exact_metrics["mini_batches"] == more_metrics["mini_batches"] == 3
     assert_params_close(exact, more, atol=1e-12)
 
